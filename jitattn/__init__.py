@@ -1,0 +1,21 @@
+"""jitattn: a JIT code-generation attention compiler for LLM inference.
+
+Describe an attention variant in Python (:class:`Variant`); the first call renders CUDA (or C++
+for CPU tensors) from Jinja2 templates, builds it with ninja + nvcc (or g++), caches the binary on
+disk under a file lock, loads it (CuPy / ctypes) and runs it on PyTorch tensors.
+Nothing runs at import time.
+"""
+
+__version__ = "0.1.0"
+
+from .dsl import SpecError, abs_ as abs, exp, log, maximum, minimum, scalar, sigmoid, tanh, tensor, where  # noqa: E501
+from .mods import alibi_slopes, soft_cap
+from .spec import RoPE, Variant
+from .build import CompileError
+from .api import attention
+
+__all__ = [
+    "Variant", "RoPE", "SpecError", "CompileError", "attention", "scalar", "tensor", "where",
+    "tanh", "exp", "log", "sigmoid", "minimum", "maximum", "abs", "soft_cap", "alibi_slopes",
+    "__version__",
+]

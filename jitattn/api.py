@@ -1,0 +1,192 @@
+"""Public entry points: validate arguments, get the kernel, launch. No planning, no syncs beyond
+reading indptr tensors that live on the GPU (pass them on the CPU to avoid that copy)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import dtypes, jit
+from .dsl import ScalarParam
+from .render import HEAD_DIMS
+from .spec import Variant
+
+_MAX_GRID_Y = 65535
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, t, shape in (("q", q, "[total_q, num_qo_heads, head_dim]"),
+                           ("k", k, "[total_kv, num_kv_heads, head_dim]"),
+                           ("v", v, "[total_kv, num_kv_heads, head_dim]")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dimensions {shape}, got shape {tuple(t.shape)}")
+        if t.dtype not in dtypes.QKV_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float16 or "
+                            f"torch.bfloat16")
+        if t.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"{name} is on {t.device}; expected a cuda or cpu tensor")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, "
+                        f"v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got q {q.device}, k {k.device}, "
+                         f"v {v.device}")
+    head_dim = q.shape[2]
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim (q.shape[2]) is {head_dim}; expected one of {HEAD_DIMS}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if k.shape[2] != head_dim:
+        raise ValueError(f"k/v head_dim is {k.shape[2]} but q's is {head_dim}")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"num_qo_heads ({hq}) must be a positive multiple of num_kv_heads "
+                         f"({hkv})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        # 16-byte vector loads: the last dim contiguous, row strides multiples of 8 elements
+        if t.stride(2) != 1 or t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16:
+            raise ValueError(f"{name} has strides {t.stride()} (data pointer "
+                             f"{t.data_ptr():#x}); expected the last dimension contiguous, "
+                             f"the other strides multiples of 8 elements and a 16-byte "
+                             f"aligned pointer (call .contiguous())")
+
+
+def _host_indptr(name: str, indptr, total: int) -> list[int]:
+    if not isinstance(indptr, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(indptr).__name__}")
+    if indptr.dim() != 1 or indptr.numel() < 1:
+        raise ValueError(f"{name} must be 1-D [batch_size + 1], got shape {tuple(indptr.shape)}")
+    if indptr.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} has dtype {indptr.dtype}; expected torch.int32")
+    host = [int(x) for x in indptr.tolist()]
+    if host[0] != 0:
+        raise ValueError(f"{name}[0] is {host[0]}; expected 0")
+    bad = next((i for i in range(len(host) - 1) if host[i + 1] < host[i]), None)
+    if bad is not None:
+        raise ValueError(f"{name} must be non-decreasing; {name}[{bad}] = {host[bad]} > "
+                         f"{name}[{bad + 1}] = {host[bad + 1]}")
+    if host[-1] != total:
+        raise ValueError(f"{name}[-1] is {host[-1]} but the tensor it indexes has {total} rows")
+    return host
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant, *,
+              qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
+              sm_scale: float | None = None, return_lse: bool = False,
+              out: torch.Tensor | None = None, lse: torch.Tensor | None = None, **params):
+    """Attention of one request, or a ragged batch, under ``variant``; no paging.
+
+    q: [total_q, num_qo_heads, head_dim]; k, v: [total_kv, num_kv_heads, head_dim]; fp16 or
+        bf16, on one CUDA device (CUDA kernels) or on the CPU (CPU backend). head_dim 64, 128 or
+        256; num_qo_heads a multiple of num_kv_heads (GQA: query head h reads kv head
+        h // (num_qo_heads // num_kv_heads)). Last dim contiguous.
+    qo_indptr, kv_indptr: [batch_size + 1] int32 (or int64) offsets of each request's rows in
+        q and k/v; both or neither (then q, k, v are one request). Read on the host: pass CPU
+        tensors to avoid a device sync.
+    sm_scale: multiplies q.k before score_mod; default 1 / sqrt(head_dim).
+    out, lse: optional preallocated outputs (contiguous, shapes and dtypes as returned below);
+        every element is written.
+    params: the variant's runtime parameters by name (``variant.runtime_param_names``).
+    Returns out [total_q, num_qo_heads, head_dim] (q's dtype), and with return_lse also lse
+    [total_q, num_qo_heads] float32, natural log; rows that see no key give out 0, lse -inf.
+    Queries are aligned to the end of their request's KV (query i sits at position
+    kv_len - qo_len + i; FlashInfer's convention).
+
+    Raises TypeError / ValueError naming the argument before any launch; CompileError or
+    SpecError if the variant cannot be built. One launch; a request with qo_len == 1 for every
+    request uses the decode kernel (warps split the KV range).
+    Algorithm: FlashAttention-2 style online softmax (Dao 2023, section 3.1) with GQA
+    head-group fusion (FlashInfer, arXiv 2501.01005, section 3.2).
+    """
+    if not isinstance(variant, Variant):
+        raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
+    _check_qkv(q, k, v)
+    total_q, hq, head_dim = q.shape
+    hkv = k.shape[1]
+    if (qo_indptr is None) != (kv_indptr is None):
+        raise ValueError("qo_indptr and kv_indptr must be given together (or neither)")
+    if qo_indptr is None:
+        qo_host, kv_host = [0, total_q], [0, k.shape[0]]
+    else:
+        qo_host = _host_indptr("qo_indptr", qo_indptr, total_q)
+        kv_host = _host_indptr("kv_indptr", kv_indptr, k.shape[0])
+        if len(qo_host) != len(kv_host):
+            raise ValueError(f"qo_indptr has {len(qo_host)} entries but kv_indptr has "
+                             f"{len(kv_host)}; both must be [batch_size + 1]")
+    batch = len(qo_host) - 1
+    if batch > _MAX_GRID_Y:
+        raise ValueError(f"batch_size {batch} exceeds {_MAX_GRID_Y} requests per call")
+    qo_lens = [qo_host[i + 1] - qo_host[i] for i in range(batch)]
+    kv_lens = [kv_host[i + 1] - kv_host[i] for i in range(batch)]
+    max_qo, max_kv = max(qo_lens, default=0), max(kv_lens, default=0)
+    sizes = dict(batch_size=batch, num_qo_heads=hq, num_kv_heads=hkv, qo_len=max_qo,
+                 kv_len=max_kv)
+    bound = variant.bind(params, device=q.device, sizes=sizes)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    elif not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be a finite number, got {sm_scale!r}")
+
+    out = _output("out", out, (total_q, hq, head_dim), q.dtype, q.device)
+    lse = _output("lse", lse, (total_q, hq), torch.float32, q.device)
+    if total_q > 0:
+        _launch(q, k, v, out, lse, variant, bound, qo_indptr, kv_indptr, qo_host, kv_host,
+                batch, max_qo, float(sm_scale))
+    return (out, lse) if return_lse else out
+
+
+def _output(name, t, shape, dtype, device):
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected "
+                         f"{shape} {dtype} on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    return t
+
+
+def _device_indptr(indptr, device):
+    if indptr is None:
+        return None
+    return indptr.to(device=device, dtype=torch.int32, non_blocking=True)
+
+
+def _launch(q, k, v, out, lse, variant, bound, qo_indptr, kv_indptr, qo_host, kv_host, batch,
+            max_qo, sm_scale):
+    hq, head_dim, hkv = q.shape[1], q.shape[2], k.shape[1]
+    qo_dev, kv_dev = _device_indptr(qo_indptr, q.device), _device_indptr(kv_indptr, q.device)
+    args = [("ptr", q.data_ptr()), ("ptr", k.data_ptr()), ("ptr", v.data_ptr()),
+            ("ptr", out.data_ptr()), ("ptr", lse.data_ptr()),
+            ("ptr", 0 if qo_dev is None else qo_dev.data_ptr()),
+            ("ptr", 0 if kv_dev is None else kv_dev.data_ptr()),
+            ("i32", qo_host[-1]), ("i32", kv_host[-1])]
+    if q.device.type == "cpu":
+        args.append(("i32", batch))
+    args += [("i32", hq), ("i32", hkv), ("i64", q.stride(0)), ("i32", q.stride(1)),
+             ("i64", k.stride(0)), ("i32", k.stride(1)), ("i64", v.stride(0)),
+             ("i32", v.stride(1)), ("f32", sm_scale)]
+    for p in variant.params:
+        if isinstance(p, ScalarParam):
+            args.append(("f32", bound[p.name]))
+        else:
+            t = bound[p.name]
+            args.append(("ptr", t.data_ptr()))
+            args += [("i32", s) for s in t.shape]
+    dtype_tag = dtypes.tag(q.dtype)
+    if q.device.type == "cpu":
+        jit.get_kernel(variant, backend="cpu", head_dim=head_dim).launch(dtype_tag, args)
+        return
+    kind = "decode" if max_qo == 1 else "prefill"
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    kernel = jit.get_kernel(variant, backend="cuda", kind=kind, dtype_tag=dtype_tag,
+                            head_dim=head_dim, device_index=index)
+    g = hq // hkv
+    grid = (-(-max_qo * g // kernel.rows_per_cta), batch, hkv)
+    kernel.launch(grid, args, torch.cuda.current_stream(q.device).cuda_stream, index)

@@ -1,0 +1,507 @@
+"""Traces ``score_mod`` / ``mask_mod`` Python functions into expression trees.
+
+The functions have FlexAttention's signatures, ``score_mod(score, b, h, q_idx, kv_idx)`` and
+``mask_mod(b, h, q_idx, kv_idx)``. They are called once with symbolic arguments; operator
+overloading records what they compute as a tree of :class:`Expr`. The tree has two readers:
+:func:`emit_cpp` (a C++ expression for the CUDA and CPU templates) and :func:`evaluate` (torch
+ops, used by ``reference.py``).
+
+Each node has a kind: ``"float"`` (computed in float32 by the kernels), ``"int"`` (int32) or
+``"bool"``. Python floats become compile-time constants; :func:`scalar` and :func:`tensor` are
+runtime parameters; a torch tensor captured by closure and indexed by symbols becomes a runtime
+tensor parameter (FlexAttention style), bound at call time, its values never in the cache key.
+Tensor indices are clamped into range in every backend, so a kernel never reads out of bounds.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import dtypes
+
+
+class SpecError(ValueError):
+    """A variant cannot be compiled: unsupported Python, bad parameter or bad option."""
+
+
+SYMBOLS = ("score", "b", "h", "q_idx", "kv_idx")
+SHAPE_SYMBOLS = ("batch_size", "num_qo_heads", "num_kv_heads", "qo_len", "kv_len")
+_IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,47}$")
+_RESERVED = set(SYMBOLS) | {"p", "q", "k", "v", "o", "lse"}
+
+
+def _check_name(name: str, what: str) -> None:
+    if not isinstance(name, str) or not _IDENT.match(name) or name in _RESERVED:
+        raise SpecError(f"{what} name {name!r} must be an identifier ([A-Za-z][A-Za-z0-9_]*, "
+                        f"at most 48 characters) and not one of {sorted(_RESERVED)}")
+
+
+@dataclass(frozen=True)
+class ScalarParam:
+    """A float32 runtime scalar, passed by name at call time."""
+
+    name: str
+
+
+@dataclass(frozen=True, eq=False)
+class TensorParam:
+    """A runtime tensor indexed by symbols. ``shape`` holds ints or names from SHAPE_SYMBOLS.
+
+    ``captured`` is the torch tensor when the parameter came from a closure; it is bound
+    automatically at call time and never enters the cache key.
+    """
+
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    captured: torch.Tensor | None = None
+
+    @property
+    def signature(self) -> str:
+        return f"{self.name}:{dtypes.tag(self.dtype)}[{','.join(map(str, self.shape))}]"
+
+    def __getitem__(self, idx) -> "Expr":
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if len(idx) != len(self.shape):
+            raise SpecError(f"tensor {self.name!r} has {len(self.shape)} dimensions "
+                            f"{self.shape} but was indexed with {len(idx)} indices")
+        nodes = []
+        for i, ix in enumerate(idx):
+            node = _lift(ix)
+            if node.kind != "int":
+                raise SpecError(f"tensor {self.name!r} dimension {i} is indexed by a {node.kind} "
+                                f"expression ({emit_cpp(node)}); indices must be integer "
+                                f"expressions of b, h, q_idx, kv_idx and int constants")
+            nodes.append(node)
+        tag = dtypes.tag(self.dtype)
+        kind = "float" if dtypes.is_float_tag(tag) else ("bool" if tag == "bool" else "int")
+        return Expr("index", (self, *nodes), kind)
+
+
+def scalar(name: str) -> "Expr":
+    """A runtime float32 scalar, e.g. ``cap = ja.scalar("cap")``; passed as ``cap=50.0``."""
+    _check_name(name, "scalar")
+    return Expr("scalar", (ScalarParam(name),), "float")
+
+
+def tensor(name: str, shape, dtype="float32") -> TensorParam:
+    """A runtime tensor parameter, e.g. ``ja.tensor("slopes", ("num_qo_heads",), "float32")``.
+
+    shape: ints or symbolic sizes ``"batch_size" | "num_qo_heads" | "num_kv_heads" | "qo_len" |
+    "kv_len"`` (qo_len / kv_len: the longest request of the batch). dtype: ``"float32" |
+    "float16" | "bfloat16" | "int32" | "int64" | "bool"`` or the torch dtype. The tensor must be
+    contiguous and on the device of q when bound.
+    """
+    _check_name(name, "tensor")
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    if not shape:
+        raise SpecError(f"tensor {name!r}: shape must have at least one dimension")
+    for s in shape:
+        if not ((isinstance(s, int) and s > 0) or s in SHAPE_SYMBOLS):
+            raise SpecError(f"tensor {name!r}: shape entry {s!r} must be a positive int or one "
+                            f"of {SHAPE_SYMBOLS}")
+    if isinstance(dtype, str):
+        if dtype not in dtypes.FROM_NAME:
+            raise SpecError(f"tensor {name!r}: dtype {dtype!r} must be one of "
+                            f"{list(dtypes.FROM_NAME)}")
+        dtype = dtypes.FROM_NAME[dtype]
+    elif dtype not in dtypes.TAG:
+        raise SpecError(f"tensor {name!r}: dtype {dtype} is not supported")
+    return TensorParam(name, shape, dtype)
+
+
+class Expr:
+    """A node of a traced expression: ``op`` with ``args``, of kind float / int / bool."""
+
+    __slots__ = ("op", "args", "kind")
+
+    def __init__(self, op: str, args: tuple, kind: str):
+        self.op, self.args, self.kind = op, args, kind
+
+    # -- arithmetic ---------------------------------------------------------------------------
+    def __add__(self, o): return _binary("+", self, o)
+    def __radd__(self, o): return _binary("+", o, self)
+    def __sub__(self, o): return _binary("-", self, o)
+    def __rsub__(self, o): return _binary("-", o, self)
+    def __mul__(self, o): return _binary("*", self, o)
+    def __rmul__(self, o): return _binary("*", o, self)
+    def __truediv__(self, o): return _binary("/", self, o)
+    def __rtruediv__(self, o): return _binary("/", o, self)
+    def __floordiv__(self, o): return _binary("//", self, o)
+    def __rfloordiv__(self, o): return _binary("//", o, self)
+    def __mod__(self, o): return _binary("%", self, o)
+    def __rmod__(self, o): return _binary("%", o, self)
+    def __pow__(self, o): return _binary("**", self, o)
+    def __rpow__(self, o): return _binary("**", o, self)
+    def __neg__(self): return Expr("neg", (self,), "int" if self.kind == "bool" else self.kind)
+    def __pos__(self): return self
+    def __abs__(self): return abs_(self)
+    # -- comparisons and logic ----------------------------------------------------------------
+    def __lt__(self, o): return _compare("<", self, o)
+    def __le__(self, o): return _compare("<=", self, o)
+    def __gt__(self, o): return _compare(">", self, o)
+    def __ge__(self, o): return _compare(">=", self, o)
+    def __eq__(self, o): return _compare("==", self, o)  # noqa: E704  (symbolic, not identity)
+    def __ne__(self, o): return _compare("!=", self, o)
+    def __and__(self, o): return _logic("&", self, o)
+    def __rand__(self, o): return _logic("&", o, self)
+    def __or__(self, o): return _logic("|", self, o)
+    def __ror__(self, o): return _logic("|", o, self)
+    def __xor__(self, o): return _logic("^", self, o)
+    def __rxor__(self, o): return _logic("^", o, self)
+    def __invert__(self):
+        if self.kind == "float":
+            raise SpecError("'~' needs a bool or int expression, got a float one")
+        return Expr("~", (self,), self.kind)
+
+    __hash__ = None  # symbolic __eq__: not usable as a dict key
+
+    # -- what tracing cannot follow -------------------------------------------------------------
+    def __bool__(self):
+        raise SpecError("data-dependent Python control flow (`if`, `and`, `or`, `not`, chained "
+                        "comparisons, min()/max() of symbols) cannot be traced; use "
+                        "ja.where(cond, a, b), `&`, `|`, `~`, ja.minimum / ja.maximum")
+
+    def __float__(self):
+        raise SpecError("a traced value was converted to a Python float (math.* or float()); "
+                        "use the ja.* functions (ja.tanh, ja.exp, ...) instead")
+
+    def __int__(self):
+        raise SpecError("a traced value was converted to a Python int; keep it symbolic")
+
+    __index__ = __int__
+
+    def __iter__(self):
+        raise SpecError("a traced value cannot be iterated over")
+
+    def __array__(self, *a, **k):
+        raise SpecError("numpy functions cannot be traced; use the ja.* functions")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], torch.Tensor):
+            return _TRACER.capture(args[0])[args[1]]
+        name = getattr(func, "__name__", str(func))
+        raise SpecError(f"torch function {name} cannot be traced; use the ja.* functions "
+                        f"(tanh, exp, log, sigmoid, where, minimum, maximum, abs)")
+
+    def __repr__(self):
+        return f"Expr<{self.kind}>({emit_cpp(self)})"
+
+
+def _lift(x) -> Expr:
+    if isinstance(x, Expr):
+        return x
+    if isinstance(x, (bool, np.bool_)):
+        return Expr("const", (bool(x),), "bool")
+    if isinstance(x, (int, np.integer)):
+        if not -(2**31) <= int(x) < 2**31:
+            raise SpecError(f"integer constant {x} does not fit in int32")
+        return Expr("const", (int(x),), "int")
+    if isinstance(x, (float, np.floating)):
+        if math.isnan(x):
+            raise SpecError("NaN constant in a variant expression")
+        return Expr("const", (float(np.float32(x)),), "float")
+    raise SpecError(f"cannot use {type(x).__name__} {x!r} in a variant expression; expected a "
+                    f"number, a symbol, ja.scalar(...) or an indexed ja.tensor(...)")
+
+
+def _num_kind(a: Expr, b: Expr) -> str:
+    return "float" if "float" in (a.kind, b.kind) else "int"
+
+
+def _binary(op, a, b) -> Expr:
+    a, b = _lift(a), _lift(b)
+    kind = "float" if op in ("/", "**") else _num_kind(a, b)
+    return Expr(op, (a, b), kind)
+
+
+def _compare(op, a, b) -> Expr:
+    return Expr(op, (_lift(a), _lift(b)), "bool")
+
+
+def _logic(op, a, b) -> Expr:
+    a, b = _lift(a), _lift(b)
+    if "float" in (a.kind, b.kind):
+        raise SpecError(f"'{op}' needs bool or int operands; got {a.kind} and {b.kind}")
+    return Expr(op, (a, b), "bool" if a.kind == b.kind == "bool" else "int")
+
+
+def _float_fn(name):
+    def fn(x) -> Expr:
+        return Expr(name, (_lift(x),), "float")
+    fn.__name__ = name
+    fn.__doc__ = f"Traced elementwise {name} (float32 in the kernels)."
+    return fn
+
+
+tanh, exp, log, sigmoid = (_float_fn(n) for n in ("tanh", "exp", "log", "sigmoid"))
+
+
+def abs_(x) -> Expr:
+    """Traced absolute value; keeps int or float kind."""
+    x = _lift(x)
+    return Expr("abs", (x,), "int" if x.kind == "bool" else x.kind)
+
+
+def minimum(a, b) -> Expr:
+    """Traced elementwise minimum (int if both are int, else float)."""
+    a, b = _lift(a), _lift(b)
+    return Expr("min", (a, b), _num_kind(a, b))
+
+
+def maximum(a, b) -> Expr:
+    """Traced elementwise maximum (int if both are int, else float)."""
+    a, b = _lift(a), _lift(b)
+    return Expr("max", (a, b), _num_kind(a, b))
+
+
+def where(cond, a, b) -> Expr:
+    """Traced ``cond ? a : b``; the replacement for data-dependent ``if``."""
+    cond, a, b = _lift(cond), _lift(a), _lift(b)
+    if cond.kind != "bool":
+        raise SpecError(f"ja.where: condition must be a bool expression, got {cond.kind}")
+    kind = "bool" if a.kind == b.kind == "bool" else _num_kind(a, b)
+    return Expr("where", (cond, a, b), kind)
+
+
+# --------------------------------------------------------------------------------------------
+# Tracing
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _Tracer:
+    prefix: str = "captured"
+    captured: list = field(default_factory=list)
+
+    def capture(self, t: torch.Tensor) -> TensorParam:
+        for p in self.captured:
+            if p.captured is t:
+                return p
+        if t.dtype not in dtypes.TAG or t.dim() == 0:
+            raise SpecError(f"captured tensor of dtype {t.dtype} and shape {tuple(t.shape)} "
+                            f"cannot be indexed in a variant; expected one of "
+                            f"{list(dtypes.FROM_NAME)} with at least one dimension")
+        p = TensorParam(f"{self.prefix}{len(self.captured)}", tuple(t.shape), t.dtype, t)
+        self.captured.append(p)
+        return p
+
+
+_TRACER = _Tracer()
+
+
+@dataclass(frozen=True, eq=False)
+class Traced:
+    """A traced mod: its expression, the function's name and where it was defined."""
+
+    expr: Expr
+    fn_name: str
+    source: str  # "file.py:line" of the Python definition, for error reports
+
+    @property
+    def cpp(self) -> str:
+        return emit_cpp(self.expr)
+
+
+def trace(fn, kind: str) -> Traced:
+    """Trace ``fn`` as a ``"score_mod"`` (5 args, float result) or ``"mask_mod"`` (4 args,
+    bool result). Raises SpecError for anything the DSL cannot express."""
+    global _TRACER
+    names = SYMBOLS if kind == "score_mod" else SYMBOLS[1:]
+    if not callable(fn):
+        raise SpecError(f"{kind} must be callable, got {type(fn).__name__}")
+    try:
+        inspect.signature(fn).bind(*names)
+    except TypeError as e:
+        raise SpecError(f"{kind} {getattr(fn, '__name__', fn)!r} must accept {len(names)} "
+                        f"positional arguments ({', '.join(names)}): {e}") from None
+    except ValueError:
+        pass  # builtins without signatures: try the call
+    args = [Expr("sym", (n,), "float" if n == "score" else "int") for n in names]
+    outer, _TRACER = _TRACER, _Tracer(prefix=kind.split("_")[0] + "_captured")
+    try:
+        out = fn(*args)
+    except SpecError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- any failure inside user code is a spec problem
+        raise SpecError(f"{kind} {getattr(fn, '__name__', fn)!r} could not be traced: "
+                        f"{type(e).__name__}: {e}. Only arithmetic, comparisons, &|~ and the "
+                        f"ja.* functions are supported") from e
+    finally:
+        _TRACER = outer
+    out = _lift(out)
+    if kind == "mask_mod" and out.kind != "bool":
+        raise SpecError(f"mask_mod must return a bool expression (a comparison), got {out.kind}")
+    if kind == "score_mod" and out.kind == "bool":
+        raise SpecError("score_mod must return a number, got a bool expression; "
+                        "use mask_mod for visibility")
+    try:
+        src = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        src = "<unknown>"
+    return Traced(out, getattr(fn, "__name__", "mod"), src)
+
+
+def params_of(*exprs: Expr) -> list:
+    """Scalar and tensor parameters referenced by ``exprs``, in first-use order, one per name.
+
+    Raises SpecError when one name is used for two different parameters."""
+    found: dict = {}
+
+    def walk(e):
+        if e.op in ("scalar", "index"):
+            p = e.args[0]
+            prev = found.setdefault(p.name, p)
+            if prev is not p and (type(prev) is not type(p) or isinstance(p, TensorParam)
+                                  and (prev.signature != p.signature or prev.captured is not
+                                       p.captured)):
+                raise SpecError(f"parameter name {p.name!r} is used for two different "
+                                f"parameters ({prev} and {p})")
+        for a in e.args:
+            if isinstance(a, Expr):
+                walk(a)
+    for e in exprs:
+        walk(e)
+    return list(found.values())
+
+
+# --------------------------------------------------------------------------------------------
+# C++ emission
+# --------------------------------------------------------------------------------------------
+def _float_literal(x: float) -> str:
+    if math.isinf(x):
+        return "JA_INF" if x > 0 else "(-JA_INF)"
+    return repr(float(np.float32(x))) + "f"  # Python's repr always has '.' or 'e'
+
+
+_CPP_FN = {"tanh": "ja_tanh", "exp": "ja_exp", "log": "ja_log", "sigmoid": "ja_sigmoid"}
+
+
+def emit_cpp(e: Expr) -> str:
+    """C++ expression for ``e``; parameters are read through a struct named ``p``."""
+    op, a = e.op, e.args
+    if op == "const":
+        v = a[0]
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return f"({v})" if isinstance(v, int) else _float_literal(v)
+    if op == "sym":
+        return a[0]
+    if op == "scalar":
+        return f"p.{a[0].name}"
+    if op == "index":
+        t, idx = a[0], a[1:]
+        lin = f"ja_clampi({emit_cpp(idx[0])}, p.{t.name}_d0)"
+        for i in range(1, len(idx)):
+            lin = (f"({lin} * (long long)p.{t.name}_d{i} + "
+                   f"ja_clampi({emit_cpp(idx[i])}, p.{t.name}_d{i}))")
+        read = f"p.{t.name}[{lin}]"
+        return {"float": f"ja_to_float({read})", "int": f"((int){read})",
+                "bool": f"({read} != 0)"}[e.kind]
+    x = [emit_cpp(y) for y in a]
+    if op == "neg":
+        return f"(-{x[0]})"
+    if op == "~":
+        return f"(!{x[0]})" if e.kind == "bool" else f"(~{x[0]})"
+    if op in _CPP_FN:
+        return f"{_CPP_FN[op]}((float){x[0]})"
+    if op == "abs":
+        return f"ja_abs({x[0]})"
+    if op in ("min", "max"):
+        cast = "(float)" if e.kind == "float" else ""
+        return f"ja_{op}({cast}{x[0]}, {cast}{x[1]})"
+    if op == "where":
+        cast = "(float)" if e.kind == "float" else ""
+        return f"({x[0]} ? {cast}{x[1]} : {cast}{x[2]})"
+    if op == "/":
+        return f"((float){x[0]} / (float){x[1]})"
+    if op == "**":
+        return f"ja_pow((float){x[0]}, (float){x[1]})"
+    if op == "//":
+        return f"ja_floordiv({x[0]}, {x[1]})" if e.kind == "int" \
+            else f"ja_floorf((float){x[0]} / (float){x[1]})"
+    if op == "%":
+        return f"ja_mod({x[0]}, {x[1]})" if e.kind == "int" \
+            else f"ja_fmod((float){x[0]}, (float){x[1]})"
+    if op in ("&", "|", "^"):
+        cpp = {"&": "&&", "|": "||", "^": "!="}[op] if e.kind == "bool" else op
+        return f"({x[0]} {cpp} {x[1]})"
+    if op in ("+", "-", "*", "<", "<=", ">", ">=", "==", "!="):
+        return f"({x[0]} {op} {x[1]})"
+    raise AssertionError(f"unknown op {op}")
+
+
+# --------------------------------------------------------------------------------------------
+# torch evaluation (the reference's semantics: float64 for floats, int64 for ints)
+# --------------------------------------------------------------------------------------------
+def evaluate(e: Expr, env: dict, params: dict):
+    """Evaluate ``e`` with torch. ``env`` maps symbol names to broadcastable tensors; ``params``
+    maps parameter names to floats (scalars) or tensors."""
+    op, a = e.op, e.args
+    if op == "const":
+        return a[0]
+    if op == "sym":
+        return env[a[0]]
+    if op == "scalar":
+        return float(params[a[0].name])
+    if op == "index":
+        t, idx = params[a[0].name], a[1:]
+        lin = None
+        for d, ix in enumerate(idx):
+            i = torch.as_tensor(evaluate(ix, env, params)).clamp(0, t.shape[d] - 1)
+            lin = i if lin is None else lin * t.shape[d] + i
+        val = t.reshape(-1)[lin]
+        return val.double() if e.kind == "float" else (val.long() if e.kind == "int" else val)
+    x = [evaluate(y, env, params) if isinstance(y, Expr) else y for y in a]
+    T = torch.as_tensor
+    if op == "neg":
+        return -T(x[0]).long() if e.kind == "int" else -T(x[0])
+    if op == "~":
+        return ~T(x[0])
+    if op in ("tanh", "exp", "log", "sigmoid"):
+        return getattr(torch, op)(T(x[0], dtype=torch.float64).double())
+    if op == "abs":
+        return T(x[0]).abs()
+    if op in ("min", "max"):
+        f = torch.minimum if op == "min" else torch.maximum
+        return f(*_promote(e, x))
+    if op == "where":
+        return torch.where(T(x[0]), *_promote(e, x[1:]))
+    if op == "/":
+        return T(x[0]).double() / T(x[1]).double()
+    if op == "**":
+        return torch.pow(T(x[0]).double(), T(x[1]).double())
+    if op in ("//", "%"):
+        p, q = _promote(e, x)
+        if e.kind == "int":
+            safe = torch.where(q == 0, torch.ones_like(q), q)
+            r = torch.div(p, safe, rounding_mode="floor") if op == "//" else torch.remainder(p, safe)
+            return torch.where(q == 0, torch.zeros_like(r), r)
+        return torch.floor(p / q) if op == "//" else p - q * torch.floor(p / q)
+    if op in ("&", "|", "^"):
+        return {"&": torch.bitwise_and, "|": torch.bitwise_or, "^": torch.bitwise_xor}[op](
+            *(T(v) for v in x))
+    if op in ("+", "-", "*"):
+        p, q = _promote(e, x)
+        return {"+": p + q, "-": p - q, "*": p * q}[op]
+    if op in ("<", "<=", ">", ">=", "==", "!="):
+        p, q = (T(v) for v in x)
+        if p.is_floating_point() or q.is_floating_point():
+            p, q = p.double(), q.double()
+        return {"<": p < q, "<=": p <= q, ">": p > q, ">=": p >= q, "==": p == q,
+                "!=": p != q}[op]
+    raise AssertionError(f"unknown op {op}")
+
+
+def _promote(e: Expr, xs):
+    ts = [torch.as_tensor(v) for v in xs]
+    if e.kind == "float":
+        return [t.double() for t in ts]
+    if e.kind == "int":
+        return [t.long() for t in ts]
+    return ts

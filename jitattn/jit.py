@@ -1,0 +1,111 @@
+"""get_kernel(...): the one function that chains render -> cache/build -> load.
+
+The in-process memo is keyed by what the caller knows without rendering (variant key, backend,
+kind, dtype, head_dim, device), so a warm call never renders, hashes or touches the disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import sys
+import time
+
+from . import __version__, build, env, load, render
+from .cache import Cache
+from .render import RenderedSource
+from .spec import Variant
+
+log = logging.getLogger("jitattn")
+_MEMO: dict = {}
+
+
+def _say(msg: str) -> None:
+    """One line per compile, visible by default (stderr) unless logging is configured."""
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[jitattn] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    log.info(msg)
+
+
+def device_arch(device_index: int) -> str:
+    """``sm_90a`` on Hopper (arch-specific features: wgmma, setmaxnreg), else ``sm_XY``."""
+    import torch
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}{'a' if (major, minor) == (9, 0) else ''}"
+
+
+def cache_key(src: RenderedSource, arch: str | None) -> str:
+    """Readable name plus a hash of everything that changes the binary: the rendered source,
+    every header it can include, compiler fingerprint and flags, arch, jitattn version."""
+    h = hashlib.sha256()
+    for part in (src.code, src.headers_digest, build.compiler_fingerprint(src.lang),
+                 " ".join(build.flags(src.lang, arch)), str(arch), __version__):
+        h.update(part.encode())
+        h.update(b"\0")
+    return f"{src.name}-{arch or 'host'}-{h.hexdigest()[:16]}"
+
+
+def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = None):
+    """Binary path for ``src``: from the cache, or built under the key's lock and published.
+    Returns (path, built: bool)."""
+    cache = cache or Cache()
+    key = cache_key(src, arch)
+    binary = build.BINARY_NAME[src.lang]
+    path = cache.load(key, binary)
+    if path is not None:
+        if env.debug_level() >= 1:
+            log.info("cache hit %s", key)
+        return path, False
+    with cache.lock(key):
+        path = cache.load(key, binary)  # another process may have built it while we waited
+        if path is not None:
+            return path, False
+        if env.debug_level() >= 4:
+            print(src.code, file=sys.stderr)
+        started = time.perf_counter()
+        staged = cache.staging(key)
+        try:
+            build.build(src, staged, arch=arch)
+            path = cache.publish(key, staged, binary, {"name": src.name, "arch": arch,
+                                                       "version": __version__})
+        except build.CompileError as e:
+            kept = cache.keep_failed(key, staged)
+            e.path = kept / e.path.name if e.path else kept
+            e.command = e.command.replace(str(staged), str(kept))
+            raise
+        finally:
+            if staged.exists():
+                shutil.rmtree(staged, ignore_errors=True)
+        _say(f"compiled {src.name} for {arch or 'cpu'} in {time.perf_counter() - started:.1f} s")
+        return path, True
+
+
+def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "prefill",
+               dtype_tag: str = "f16", device_index: int = 0):
+    """A loaded kernel for this specialisation (CudaKernel or CpuKernel), memoised."""
+    memo_key = (variant.key, backend, head_dim) if backend == "cpu" else (
+        variant.key, backend, kind, dtype_tag, head_dim, device_index)
+    kernel = _MEMO.get(memo_key)
+    if kernel is not None:
+        return kernel
+    if backend == "cpu":
+        src = render.render_cpu(variant, head_dim=head_dim)
+        path, _ = compile_cached(src, None)
+        kernel = load.load_cpu(path, src)
+    else:
+        arch = device_arch(device_index)
+        src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag, head_dim=head_dim)
+        path, _ = compile_cached(src, arch)
+        kernel = load.load_cuda(path, src, device_index)
+    _MEMO[memo_key] = kernel
+    return kernel
+
+
+def clear_memo() -> None:
+    """Forget loaded kernels (tests use it to force the disk path)."""
+    _MEMO.clear()

@@ -1,0 +1,42 @@
+"""Score-mod factories and helpers that ready-made and user variants share."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import dsl
+
+
+def soft_cap(cap: float):
+    """Tanh logit soft-capping, ``cap * tanh(score / cap)`` (Gemma 2; Grok-1).
+
+    cap: a Python float (compiled in) or a ``ja.scalar`` (runtime)."""
+    if isinstance(cap, (int, float)) and not cap > 0:
+        raise dsl.SpecError(f"soft_cap: cap={cap!r} must be > 0")
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * dsl.tanh(score / cap)
+    return softcap
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi head slopes (Press et al. 2022, "Train Short, Test Long", section 3), float32.
+
+    For a power-of-two head count n the slopes are 2^(-8 i / n), i = 1..n. Otherwise the first
+    2^floor(log2 n) heads take the power-of-two slopes and the rest take every other slope of the
+    next power of two, as in the paper's reference code; this keeps non-power-of-two counts
+    (e.g. 12, 40) correct.
+    """
+    if num_heads < 1:
+        raise ValueError(f"alibi_slopes: num_heads={num_heads} must be >= 1")
+
+    def pow2(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+    closest = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = pow2(closest)
+    if closest != num_heads:
+        slopes += pow2(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)

@@ -1,0 +1,92 @@
+"""Eager PyTorch reference for any Variant: the oracle of every test. Readable, not fast.
+
+Computes in float64 on the inputs' device from the traced expression trees (dsl.evaluate), with
+the same position convention as the kernels (queries aligned to the end of the KV).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import dsl
+from .spec import Variant
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, variant: Variant) -> torch.Tensor:
+    """Apply the variant's RoPE to x [n, heads, D] (float64) at integer positions [n]."""
+    enc = variant.pos_encoding
+    d = x.shape[-1]
+    inv = torch.as_tensor(enc.inv_freq(d), dtype=torch.float64, device=x.device)
+    ang = positions.double()[:, None] * inv[None, :]            # [n, D/2]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    if enc.style == "neox":
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return out
+
+
+def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_scale=None,
+              return_lse=False, **params):
+    """Reference of :func:`jitattn.attention`; same arguments, outputs in float64.
+
+    q [total_q, Hq, D], k/v [total_kv, Hkv, D]; out [total_q, Hq, D]; lse [total_q, Hq] (natural
+    log; -inf for rows that see no key).
+    """
+    total_q, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qo = [0, total_q] if qo_indptr is None else [int(x) for x in qo_indptr.tolist()]
+    kv = [0, k.shape[0]] if kv_indptr is None else [int(x) for x in kv_indptr.tolist()]
+    batch = len(qo) - 1
+    sizes = dict(batch_size=batch, num_qo_heads=hq, num_kv_heads=hkv,
+                 qo_len=max(qo[i + 1] - qo[i] for i in range(batch)),
+                 kv_len=max(kv[i + 1] - kv[i] for i in range(batch)))
+    bound = variant.bind(params, device=q.device, sizes=sizes)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    out = torch.zeros(total_q, hq, d, dtype=torch.float64, device=q.device)
+    lse = torch.full((total_q, hq), -math.inf, dtype=torch.float64, device=q.device)
+    for b in range(batch):
+        qi, ki, vi = (q[qo[b]:qo[b + 1]].double(), k[kv[b]:kv[b + 1]].double(),
+                      v[kv[b]:kv[b + 1]].double())
+        lq, lk = qi.shape[0], ki.shape[0]
+        if lq == 0 or lk == 0:
+            continue  # no rows, or rows that see no key: out 0, lse -inf
+        q_pos = torch.arange(lk - lq, lk, device=q.device)
+        kv_pos = torch.arange(lk, device=q.device)
+        if variant.pos_encoding is not None:
+            qi, ki = rope(qi, q_pos, variant), rope(ki, kv_pos, variant)
+        ki, vi = ki.repeat_interleave(g, dim=1), vi.repeat_interleave(g, dim=1)
+        s = torch.einsum("qhd,khd->hqk", qi, ki) * scale          # [Hq, Lq, Lk]
+        env = dict(score=s, b=torch.tensor(b, device=q.device),
+                   h=torch.arange(hq, device=q.device)[:, None, None],
+                   q_idx=q_pos[None, :, None], kv_idx=kv_pos[None, None, :])
+        if variant.score is not None:
+            s = torch.as_tensor(dsl.evaluate(variant.score.expr, env, bound)).double()
+            s = s.expand(hq, lq, lk)
+        visible = torch.ones(hq, lq, lk, dtype=torch.bool, device=q.device)
+        if variant.mask == "causal":
+            visible &= env["kv_idx"] <= env["q_idx"]
+        if variant.window_left is not None:
+            visible &= env["q_idx"] - env["kv_idx"] <= variant.window_left
+        if variant.mask_pred is not None:
+            visible &= torch.as_tensor(dsl.evaluate(variant.mask_pred.expr, env, bound))
+        if variant.reduction == "sigmoid":
+            p = torch.where(visible, torch.sigmoid(s), 0.0)
+            o, total = torch.einsum("hqk,khd->qhd", p, vi), p.sum(-1).T
+            lse[qo[b]:qo[b + 1]] = torch.where(total > 0, total.log(), -math.inf)
+        else:
+            s = torch.where(visible, s, -math.inf)
+            m = s.amax(-1, keepdim=True)
+            any_visible = visible.any(-1, keepdim=True)
+            p = torch.where(visible, torch.exp(s - torch.where(any_visible, m, 0.0)), 0.0)
+            total = p.sum(-1, keepdim=True)
+            o = torch.einsum("hqk,khd->qhd", p / torch.where(any_visible, total, 1.0), vi)
+            row_lse = (m + total.log()).squeeze(-1).T
+            lse[qo[b]:qo[b + 1]] = torch.where(any_visible.squeeze(-1).T, row_lse, -math.inf)
+        out[qo[b]:qo[b + 1]] = o
+    return (out, lse) if return_lse else out

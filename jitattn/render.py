@@ -1,0 +1,172 @@
+"""Variant + kernel kind + dtype/head_dim/tiles -> RenderedSource. Pure: reads templates, no I/O
+beyond that, no compilation.
+
+Templates are Jinja2 with StrictUndefined; they only fill in constants and the generated variant
+struct, while the logic lives in ordinary headers (templates/cuda/include, templates/cpu/include,
+templates/common).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+
+from . import __version__, dtypes, env
+from .dsl import ScalarParam
+from .spec import Variant
+
+HEAD_DIMS = (64, 128, 256)
+KINDS = ("prefill", "decode")
+KV_TILE, SMEM_PAD = 32, 2  # must match templates/cuda/include/jitattn_attention.cuh
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of a CUDA kernel: warps per CTA and query rows per warp (prefill) or per
+    CTA (decode, where every warp holds all rows and the warps split the KV range)."""
+
+    num_warps: int
+    rows: int
+
+    def rows_per_cta(self, kind: str) -> int:
+        return self.num_warps * self.rows if kind == "prefill" else self.rows
+
+    def smem_bytes(self, kind: str, head_dim: int) -> int:
+        kv_tile = 2 * KV_TILE * (head_dim + SMEM_PAD) * 2  # K and V, 16-bit
+        q_rows = self.rows_per_cta(kind) * head_dim * 4
+        if kind == "prefill":
+            return q_rows + kv_tile
+        merge = self.num_warps * self.rows * (2 + head_dim) * 4
+        return q_rows + max(self.num_warps * kv_tile, merge)
+
+
+def tiles_for(kind: str, head_dim: int) -> Tiles:
+    """Tile configuration per kind and head_dim (registers: rows * head_dim / 32 floats of
+    accumulator per lane)."""
+    if kind == "prefill":
+        return Tiles(num_warps=4, rows=2 if head_dim == 256 else 4)
+    return Tiles(num_warps=4, rows=4 if head_dim == 256 else 8)
+
+
+@dataclass(frozen=True)
+class RenderedSource:
+    """Generated source plus what building and launching it needs."""
+
+    code: str
+    lang: str                      # "cuda" | "cpp"
+    name: str                      # readable name, the prefix of the cache key
+    entries: tuple                 # extern "C" symbols
+    include_dirs: tuple            # absolute paths
+    headers_digest: str            # sha256 of every header the code can include
+    hooks: dict = field(default_factory=dict)  # "score_mod" -> (line in code, "file.py:line")
+    kind: str = "prefill"
+    head_dim: int = 128
+    tiles: Tiles | None = None
+
+
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(env.templates_dir())),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+
+
+@lru_cache(maxsize=4)
+def _headers_digest(backend: str) -> str:
+    root = env.templates_dir()
+    h = hashlib.sha256()
+    for d in ("common", f"{backend}/include"):
+        for p in sorted((root / d).glob("*")):
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _include_dirs(backend: str) -> tuple:
+    root = env.templates_dir()
+    return (str(root / "common"), str(root / backend / "include"))
+
+
+def _param_decls(variant: Variant, backend: str) -> tuple[list, list]:
+    """C declarations (one per kernel argument) and the matching argument names."""
+    decls, names = [], []
+    for p in variant.params:
+        if isinstance(p, ScalarParam):
+            decls.append(f"float {p.name}")
+            names.append(p.name)
+            continue
+        ctype = dtypes.CTYPE[backend][dtypes.tag(p.dtype)]
+        decls.append(f"const {ctype}* {p.name}")
+        names.append(p.name)
+        for i in range(len(p.shape)):
+            decls.append(f"int {p.name}_d{i}")
+            names.append(f"{p.name}_d{i}")
+    return decls, names
+
+
+def render_variant(variant: Variant, *, backend: str, head_dim: int) -> str:
+    """The generated VariantParams / Variant struct (and RoPE table) as C++ source."""
+    decls, _ = _param_decls(variant, backend)
+    rope = variant.pos_encoding
+    freqs = [repr(float(f)) + "f" for f in rope.inv_freq(head_dim)] if rope else ["0.0f"]
+    return _environment().get_template("common/variant.h.j2").render(
+        variant=variant, version=__version__, param_fields=decls,
+        score_expr=variant.score.cpp if variant.score else "score",
+        score_source=variant.score.source if variant.score else "(none)",
+        mask_expr=variant.mask_pred.cpp if variant.mask_pred else "true",
+        mask_source=variant.mask_pred.source if variant.mask_pred else "(none)",
+        rope_mode=0 if rope is None else (1 if rope.style == "neox" else 2),
+        rope_inv_freq=freqs, head_dim=head_dim)
+
+
+def _hook_lines(code: str, variant: Variant) -> dict:
+    hooks = {}
+    for i, line in enumerate(code.splitlines(), start=1):
+        for hook, traced in (("score_mod", variant.score), ("mask_mod", variant.mask_pred)):
+            if f"jitattn:{hook} " in line and traced is not None:
+                hooks[hook] = (i, traced.source)
+    return hooks
+
+
+def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
+                tiles: Tiles | None = None) -> RenderedSource:
+    """CUDA source of one prefill or decode kernel."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: expected one of {KINDS}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim}: expected one of {HEAD_DIMS}")
+    if dtype_tag not in ("f16", "bf16"):
+        raise ValueError(f"dtype {dtype_tag!r}: expected 'f16' or 'bf16'")
+    tiles = tiles or tiles_for(kind, head_dim)
+    decls, names = _param_decls(variant, "cuda")
+    entry = f"jitattn_{kind}"
+    code = _environment().get_template("cuda/attention.cu.j2").render(
+        version=__version__, kind=kind, variant=variant, dtype_tag=dtype_tag,
+        dtype=dtypes.CTYPE["cuda"][dtype_tag], head_dim=head_dim, num_warps=tiles.num_warps,
+        rows=tiles.rows, entry=entry, param_args=decls, param_names=names,
+        variant_code=render_variant(variant, backend="cuda", head_dim=head_dim))
+    return RenderedSource(
+        code=code, lang="cuda", name=f"{variant.key}-{kind}-{dtype_tag}-d{head_dim}",
+        entries=(entry,), include_dirs=_include_dirs("cuda"),
+        headers_digest=_headers_digest("cuda"), hooks=_hook_lines(code, variant), kind=kind,
+        head_dim=head_dim, tiles=tiles)
+
+
+def render_cpu(variant: Variant, *, head_dim: int) -> RenderedSource:
+    """C++/OpenMP source of the CPU backend (fp16 and bf16 entry points in one library)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim}: expected one of {HEAD_DIMS}")
+    decls, names = _param_decls(variant, "cpu")
+    entries = (("f16", "ja_f16"), ("bf16", "ja_bf16"))
+    code = _environment().get_template("cpu/attention.cpp.j2").render(
+        version=__version__, variant=variant, head_dim=head_dim, param_args=decls,
+        param_names=names, entries=entries,
+        variant_code=render_variant(variant, backend="cpu", head_dim=head_dim))
+    return RenderedSource(
+        code=code, lang="cpp", name=f"{variant.key}-cpu-d{head_dim}",
+        entries=tuple(f"jitattn_attention_{t}" for t, _ in entries),
+        include_dirs=_include_dirs("cpu"), headers_digest=_headers_digest("cpu"),
+        hooks=_hook_lines(code, variant), kind="cpu", head_dim=head_dim)

@@ -1,0 +1,273 @@
+"""What an attention variant computes: the frozen :class:`Variant` and :class:`RoPE`.
+
+A Variant says only what the attention computes; dtypes, head_dim and tiles come from the
+tensors and join the cache key at specialisation time (render.py). Its :attr:`Variant.key`
+covers everything that changes generated code, and nothing else (captured tensor values are
+runtime data).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+
+from . import dsl, dtypes
+from .dsl import ScalarParam, SpecError, TensorParam
+
+MASKS = ("none", "causal")
+REDUCTIONS = ("softmax", "sigmoid")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class RoPE:
+    """Rotary position embedding fused into the Q/K load path (Su et al. 2021, RoFormer).
+
+    theta: base of the frequencies, inv_freq[i] = theta ** (-2i / head_dim).
+    style: ``"neox"`` rotates the halves (x[i], x[i + D/2]) (HF Llama's ``rotate_half``);
+        ``"gptj"`` rotates interleaved pairs (x[2i], x[2i+1]).
+    scaling: None, ``{"type": "linear", "factor": f}`` (positions divided by f), or
+        ``{"type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+        "original_max_position_embeddings"}`` (Llama 3.1 frequency scaling, as in HF's
+        ``rope_scaling``; ``"rope_type"`` is accepted for ``"type"``).
+    Positions are logical token positions: key j has position j, query i of a request with
+    qo_len queries and kv_len keys has position kv_len - qo_len + i. Rotary dim = head_dim.
+    """
+
+    theta: float = 1e4
+    style: Literal["neox", "gptj"] = "neox"
+    scaling: tuple | dict | None = None
+
+    def __post_init__(self):
+        if not (isinstance(self.theta, (int, float)) and self.theta > 1):
+            raise SpecError(f"RoPE theta={self.theta!r}: expected a number > 1")
+        if self.style not in ("neox", "gptj"):
+            raise SpecError(f"RoPE style={self.style!r}: expected 'neox' or 'gptj'")
+        sc = dict(self.scaling) if self.scaling else None
+        if sc is not None:
+            kind = sc.pop("type", None) or sc.pop("rope_type", None)
+            need = {"linear": {"factor"},
+                    "llama3": {"factor", "low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings"}}
+            if kind not in need:
+                raise SpecError(f"RoPE scaling type {kind!r}: expected 'linear' or 'llama3'")
+            missing, extra = need[kind] - set(sc), set(sc) - need[kind]
+            if missing or extra:
+                raise SpecError(f"RoPE scaling {kind!r}: missing {sorted(missing)}, "
+                                f"unexpected {sorted(extra)}")
+            if any(not isinstance(v, (int, float)) or v <= 0 for v in sc.values()):
+                raise SpecError(f"RoPE scaling {kind!r}: values must be positive numbers: {sc}")
+            sc = tuple(sorted({"type": kind, **{k: float(v) for k, v in sc.items()}}.items()))
+        object.__setattr__(self, "scaling", sc)
+        object.__setattr__(self, "theta", float(self.theta))
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """Per-pair angular frequencies (radians per position), float64, shape [head_dim // 2]."""
+        inv = 1.0 / self.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        sc = dict(self.scaling) if self.scaling else {}
+        if sc.get("type") == "linear":
+            return inv / sc["factor"]
+        if sc.get("type") == "llama3":  # HF transformers _compute_llama3_parameters
+            factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+            old = sc["original_max_position_embeddings"]
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > old / lo, inv / factor, inv)
+            smooth = (old / wavelen - lo) / (hi - lo)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+            return np.where(medium, smoothed, scaled)
+        return inv
+
+
+@dataclass(frozen=True, eq=False)
+class Variant:
+    """An attention variant. See DESIGN.md section 1.
+
+    name: identifier used in cache names ([A-Za-z0-9][A-Za-z0-9_.-]*).
+    mask: ``"none"`` or ``"causal"`` (bottom-right aligned: query i of a request sees keys
+        j <= kv_len - qo_len + i).
+    window_left: sliding window, keys with q_idx - kv_idx > window_left are hidden; None or -1
+        means unlimited. Inclusive: window_left=0 keeps only the diagonal.
+    score_mod: ``f(score, b, h, q_idx, kv_idx) -> float``; score is q.k * sm_scale.
+    mask_mod: ``f(b, h, q_idx, kv_idx) -> bool``; False hides the key (ANDed with mask/window).
+    pos_encoding: :class:`RoPE` applied to q and k on load, or None.
+    reduction: ``"softmax"``, or ``"sigmoid"``: out = sum_j sigmoid(s_j) v_j, unnormalised;
+        lse then reports log(sum_j sigmoid(s_j)), and partial states merge by addition.
+    Raises SpecError for anything that cannot be compiled.
+    """
+
+    name: str
+    mask: Literal["none", "causal"] = "causal"
+    window_left: int | None = None
+    score_mod: Callable | None = None
+    mask_mod: Callable | None = None
+    pos_encoding: RoPE | None = None
+    reduction: Literal["softmax", "sigmoid"] = "softmax"
+    _score: dsl.Traced | None = field(init=False, repr=False, default=None)
+    _mask: dsl.Traced | None = field(init=False, repr=False, default=None)
+    _params: tuple = field(init=False, repr=False, default=())
+    _key: str = field(init=False, repr=False, default="")
+    _direct_index: tuple = field(init=False, repr=False, default=())
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise SpecError(f"Variant name={self.name!r}: expected [A-Za-z0-9][A-Za-z0-9_.-]*, "
+                            f"at most 64 characters")
+        if self.mask not in MASKS:
+            raise SpecError(f"Variant mask={self.mask!r}: expected one of {MASKS}")
+        if self.reduction not in REDUCTIONS:
+            raise SpecError(f"Variant reduction={self.reduction!r}: expected one of {REDUCTIONS}")
+        w = self.window_left
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < -1):
+            raise SpecError(f"Variant window_left={w!r}: expected None, -1 or an int >= 0")
+        object.__setattr__(self, "window_left", None if w == -1 else w)
+        if self.pos_encoding is not None and not isinstance(self.pos_encoding, RoPE):
+            raise SpecError(f"Variant pos_encoding={self.pos_encoding!r}: expected ja.RoPE(...)")
+        score = dsl.trace(self.score_mod, "score_mod") if self.score_mod is not None else None
+        mask = dsl.trace(self.mask_mod, "mask_mod") if self.mask_mod is not None else None
+        object.__setattr__(self, "_score", score)
+        object.__setattr__(self, "_mask", mask)
+        exprs = [t.expr for t in (score, mask) if t is not None]
+        object.__setattr__(self, "_params", tuple(dsl.params_of(*exprs)))
+        object.__setattr__(self, "_key", self._compute_key())
+        object.__setattr__(self, "_direct_index", tuple(_direct_indices(*exprs)))
+
+    # -- identity ---------------------------------------------------------------------------------
+    @property
+    def key(self) -> str:
+        """``"<name>-<mask>-<hash>"``: a content hash of everything that changes generated code."""
+        return self._key
+
+    def _compute_key(self) -> str:
+        blob = json.dumps({
+            "name": self.name, "mask": self.mask, "window_left": self.window_left,
+            "score_mod": self._score.cpp if self._score else None,
+            "mask_mod": self._mask.cpp if self._mask else None,
+            "params": [p.signature if isinstance(p, TensorParam) else f"{p.name}:scalar"
+                       for p in self._params],
+            "rope": repr(self.pos_encoding), "reduction": self.reduction,
+        }, sort_keys=True)
+        return f"{self.name}-{self.mask}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+    def __eq__(self, other):
+        return isinstance(other, Variant) and other.key == self.key and all(
+            a.captured is b.captured for a, b in zip(self.tensor_params, other.tensor_params))
+
+    def __hash__(self):
+        return hash(self.key)
+
+    # -- parameters -------------------------------------------------------------------------------
+    @property
+    def score(self) -> dsl.Traced | None:
+        return self._score
+
+    @property
+    def mask_pred(self) -> dsl.Traced | None:
+        return self._mask
+
+    @property
+    def params(self) -> tuple:
+        """All runtime parameters (ScalarParam / TensorParam), in kernel-argument order."""
+        return self._params
+
+    @property
+    def tensor_params(self) -> tuple:
+        return tuple(p for p in self._params if isinstance(p, TensorParam))
+
+    @property
+    def runtime_param_names(self) -> tuple:
+        """Names the caller must pass (captured tensors are bound automatically)."""
+        return tuple(p.name for p in self._params
+                     if not (isinstance(p, TensorParam) and p.captured is not None))
+
+    def bind(self, params: dict, *, device: torch.device, sizes: dict) -> dict:
+        """Check and bind runtime parameters. ``sizes`` maps SHAPE_SYMBOLS to ints.
+
+        Returns name -> float (scalars) or contiguous tensor. Raises ValueError (missing, extra,
+        wrong shape) or TypeError (wrong type or dtype) naming the parameter.
+        """
+        expected = set(self.runtime_param_names)
+        extra, missing = set(params) - expected, expected - set(params)
+        if extra:
+            raise ValueError(f"unexpected parameter(s) {sorted(extra)} for variant "
+                             f"{self.name!r}; it takes {sorted(expected) or 'none'}")
+        if missing:
+            raise ValueError(f"missing parameter(s) {sorted(missing)} for variant "
+                             f"{self.name!r}; it takes {sorted(expected)}")
+        bound = {}
+        for p in self._params:
+            if isinstance(p, ScalarParam):
+                val = params[p.name]
+                if isinstance(val, torch.Tensor) and val.numel() == 1:
+                    val = val.item()
+                if isinstance(val, bool) or not isinstance(val, (int, float)):
+                    raise TypeError(f"parameter {p.name!r} must be a Python number, got "
+                                    f"{type(val).__name__}")
+                bound[p.name] = float(val)
+                continue
+            t = p.captured if p.captured is not None else params[p.name]
+            what = "captured tensor" if p.captured is not None else "parameter"
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{what} {p.name!r} must be a torch.Tensor, got "
+                                f"{type(t).__name__}")
+            want = tuple(sizes[s] if isinstance(s, str) else s for s in p.shape)
+            if tuple(t.shape) != want:
+                raise ValueError(f"{what} {p.name!r} has shape {tuple(t.shape)}, expected "
+                                 f"{want} (declared {p.shape})")
+            if t.dtype != p.dtype:
+                raise TypeError(f"{what} {p.name!r} has dtype {t.dtype}, expected {p.dtype}")
+            if t.device != device:
+                raise ValueError(f"{what} {p.name!r} is on {t.device}, expected {device} "
+                                 f"(the device of q)")
+            if not t.is_contiguous():
+                raise ValueError(f"{what} {p.name!r} must be contiguous (strides "
+                                 f"{t.stride()})")
+            bound[p.name] = t
+        extent = {"b": sizes["batch_size"], "h": sizes["num_qo_heads"],
+                  "q_idx": sizes["kv_len"], "kv_idx": sizes["kv_len"]}
+        for name, dim, sym in self._direct_index:
+            t = bound[name]
+            if t.shape[dim] < extent[sym]:
+                raise ValueError(
+                    f"tensor {name!r} (shape {tuple(t.shape)}) is indexed by {sym} in dimension "
+                    f"{dim}, which reaches {extent[sym] - 1}, but that dimension has only "
+                    f"{t.shape[dim]} entries")
+        return bound
+
+    def describe(self) -> str:
+        parts = [f"mask={self.mask}"]
+        if self.window_left is not None:
+            parts.append(f"window_left={self.window_left}")
+        if self._score:
+            parts.append(f"score_mod={self._score.cpp}")
+        if self._mask:
+            parts.append(f"mask_mod={self._mask.cpp}")
+        if self.pos_encoding:
+            parts.append(f"rope={self.pos_encoding}")
+        parts.append(f"reduction={self.reduction}")
+        return f"Variant {self.name}: " + ", ".join(parts)
+
+
+def _direct_indices(*exprs):
+    """(tensor name, dim, symbol) for every tensor dimension indexed by a bare symbol, so that
+    binding can check the tensor covers the symbol's whole range (other indices are clamped)."""
+    found = set()
+
+    def walk(e):
+        if e.op == "index":
+            for dim, ix in enumerate(e.args[1:]):
+                if ix.op == "sym":
+                    found.add((e.args[0].name, dim, ix.args[0]))
+        for a in e.args:
+            if isinstance(a, dsl.Expr):
+                walk(a)
+    for e in exprs:
+        walk(e)
+    return sorted(found)

@@ -1,0 +1,39 @@
+// Math helpers that generated variant expressions call; shared by the CUDA and CPU backends.
+// Semantics follow Python's for // and % so that a traced mod means what it meant in Python.
+#pragma once
+
+#ifdef __CUDACC__
+#define JA_HD __host__ __device__ __forceinline__
+#else
+#include <cmath>
+#define JA_HD inline
+#endif
+
+#define JA_INF (__builtin_huge_valf())
+
+JA_HD float ja_tanh(float x) { return tanhf(x); }
+JA_HD float ja_exp(float x) { return expf(x); }
+JA_HD float ja_log(float x) { return logf(x); }
+JA_HD float ja_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+JA_HD float ja_pow(float a, float b) { return powf(a, b); }
+JA_HD float ja_floorf(float x) { return floorf(x); }
+JA_HD float ja_fmod(float a, float b) { return a - b * floorf(a / b); }  // Python float %
+JA_HD int ja_abs(int x) { return x < 0 ? -x : x; }
+JA_HD float ja_abs(float x) { return fabsf(x); }
+JA_HD int ja_min(int a, int b) { return a < b ? a : b; }
+JA_HD int ja_max(int a, int b) { return a > b ? a : b; }
+JA_HD float ja_min(float a, float b) { return fminf(a, b); }
+JA_HD float ja_max(float a, float b) { return fmaxf(a, b); }
+// Python floor division / modulo on ints; division by zero gives 0 instead of a trap.
+JA_HD int ja_floordiv(int a, int b) {
+  if (b == 0) return 0;
+  int q = a / b;
+  return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+JA_HD int ja_mod(int a, int b) { return b == 0 ? 0 : a - ja_floordiv(a, b) * b; }
+// Tensor parameter indices are clamped into [0, size - 1]: a kernel never reads out of bounds.
+JA_HD long long ja_clampi(long long i, int size) { return i < 0 ? 0 : (i >= size ? size - 1 : i); }
+JA_HD float ja_to_float(float x) { return x; }
+JA_HD float ja_to_float(int x) { return (float)x; }
+JA_HD float ja_to_float(long long x) { return (float)x; }
+JA_HD float ja_to_float(unsigned char x) { return (float)x; }

@@ -1,0 +1,49 @@
+"""Shared test helpers: random inputs, batch layouts, and the comparison with the reference."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import jitattn as ja
+from jitattn import reference
+
+# Starting points tuned on the CPU backend and the H200; outputs are compared with the float64
+# reference after rounding to the kernel's dtype, so the budget is a few output ulps plus
+# float32 accumulation.
+TOL = {torch.float16: dict(atol=3e-3, rtol=3e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+LSE_ATOL = 2e-3  # lse is float32 in every backend
+
+
+def make_batch(qo_lens, kv_lens, hq, hkv, head_dim, dtype, device, seed):
+    """Fresh random q/k/v (never zeros) for a ragged batch, with int32 indptrs on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    total_q, total_kv = sum(qo_lens), sum(kv_lens)
+    q = torch.randn(total_q, hq, head_dim, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(total_kv, hkv, head_dim, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(total_kv, hkv, head_dim, generator=gen).to(device=device, dtype=dtype)
+    qo = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()], dtype=torch.int32)
+    kv = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, qo, kv
+
+
+def check(variant, params, q, k, v, qo_indptr=None, kv_indptr=None):
+    """Run jitattn into NaN-poisoned outputs and compare out and lse with the reference."""
+    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device)
+    kw = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr) if qo_indptr is not None else {}
+    ja.attention(q, k, v, variant, out=out, lse=lse, **kw, **params)
+    ref_out, ref_lse = reference.attention(q, k, v, variant, return_lse=True, **kw, **params)
+    assert not out.isnan().any(), "unwritten or NaN output"
+    assert not lse.isnan().any(), "unwritten or NaN lse"
+    torch.testing.assert_close(out, ref_out.to(out.dtype), **TOL[q.dtype])
+    lse = lse.double()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows with no visible key differ"
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=LSE_ATOL, rtol=1e-4)
+    # rows that see no key: output exactly 0
+    if variant.reduction == "softmax":
+        empty = torch.isinf(ref_lse)
+        assert (out[empty] == 0).all()
+    return out, lse

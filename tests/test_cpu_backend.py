@@ -1,0 +1,85 @@
+"""CPU backend numerics for every built-in variant against the reference: odd lengths, GQA
+ratios, ragged batches with empty and one-token requests, fully masked rows."""
+
+import math
+
+import pytest
+import torch
+
+import jitattn as ja
+from jitattn import catalog
+
+from helpers import check, make_batch
+
+BUILTIN = catalog.builtin()
+HEADS = [(4, 4), (8, 2), (7, 1)]  # GQA group sizes 1, 4, 7
+# (qo_lens, kv_lens): one request with q_len > kv_len (causal rows before the first key are
+# fully masked), decode-like rows, and a ragged batch with an empty and a one-token request.
+LAYOUTS = [([45], [30]), ([1], [77]), ([1, 1, 1], [0, 1, 40]),
+           ([0, 1, 33, 70], [5, 9, 100, 70])]
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_builtin_variant_matches_reference(name, dtype):
+    for i, (hq, hkv) in enumerate(HEADS):
+        for j, (qo_lens, kv_lens) in enumerate(LAYOUTS):
+            head_dim = (64, 128, 256)[(i + j) % 3]
+            variant, params = BUILTIN[name].example(len(qo_lens), hq, hkv, max(qo_lens),
+                                                    max(kv_lens), "cpu")
+            q, k, v, qo, kv = make_batch(qo_lens, kv_lens, hq, hkv, head_dim, dtype, "cpu",
+                                         seed=hash((name, i, j)) % 2**31)
+            if len(qo_lens) == 1:
+                check(variant, params, q, k, v)
+            else:
+                check(variant, params, q, k, v, qo, kv)
+
+
+def test_custom_variant_with_every_feature():
+    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
+    cap = ja.scalar("cap")
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return cap * ja.tanh(score / cap) + slopes[h] * (kv_idx - q_idx)
+
+    def local_and_even(b, h, q_idx, kv_idx):
+        return ((q_idx - kv_idx) % 2 == 0) | (kv_idx < 3)
+    variant = ja.Variant("everything", mask="causal", window_left=40, score_mod=mod,
+                         mask_mod=local_and_even,
+                         pos_encoding=ja.RoPE(theta=1e4, style="gptj",
+                                              scaling={"type": "linear", "factor": 2.0}))
+    q, k, v, qo, kv = make_batch([3, 50], [60, 50], 8, 2, 128, torch.float16, "cpu", seed=7)
+    params = {"cap": 20.0, "slopes": ja.alibi_slopes(8)}
+    check(variant, params, q, k, v, qo, kv)
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf():
+    variant = ja.Variant("causal", mask="causal")
+    q, k, v, _, _ = make_batch([20], [8], 4, 4, 64, torch.float16, "cpu", seed=3)
+    out, lse = ja.attention(q, k, v, variant, return_lse=True)
+    assert (out[:12] == 0).all() and (lse[:12] == -math.inf).all()
+    assert torch.isfinite(lse[12:]).all() and not out.isnan().any()
+
+
+def test_sigmoid_states_add_up_over_key_splits():
+    variant = ja.Variant("sig", mask="none", reduction="sigmoid")
+    q, k, v, _, _ = make_batch([5], [64], 4, 4, 64, torch.bfloat16, "cpu", seed=5)
+    whole = ja.attention(q, k, v, variant).float()
+    parts = ja.attention(q, k[:20], v[:20], variant).float() + \
+        ja.attention(q, k[20:], v[20:], variant).float()
+    torch.testing.assert_close(whole, parts, atol=3e-2, rtol=3e-2)
+
+
+def test_strided_q_from_a_fused_projection():
+    variant = ja.Variant("plain", mask="causal")
+    qkv = torch.randn(37, 3 * 8, 64, dtype=torch.float16)
+    q, k, v = qkv[:, :8], qkv[:, 8:16], qkv[:, 16:]
+    assert not q.is_contiguous()
+    check(variant, {}, q, k, v)
+
+
+def test_empty_query_returns_empty():
+    variant = ja.Variant("plain")
+    q = torch.randn(0, 4, 64, dtype=torch.float16)
+    k = torch.randn(10, 4, 64, dtype=torch.float16)
+    assert ja.attention(q, k, k, variant).shape == (0, 4, 64)

@@ -1,0 +1,126 @@
+"""The DSL: tracing, C++ emission, torch evaluation, and the errors for unsupported Python."""
+
+import math
+
+import pytest
+import torch
+
+import jitattn as ja
+from jitattn import dsl
+from jitattn.dsl import SpecError
+
+
+def trace_score(fn):
+    return dsl.trace(fn, "score_mod")
+
+
+def test_softcap_emits_tanh_with_constant():
+    t = trace_score(ja.soft_cap(50.0))
+    assert t.cpp == "(50.0f * ja_tanh((float)((float)score / (float)50.0f)))"
+    assert t.expr.kind == "float"
+
+
+def test_scalar_and_tensor_params_are_collected_once():
+    cap = ja.scalar("cap")
+    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return cap * ja.tanh(score / cap) + slopes[h] * (kv_idx - q_idx)
+    t = trace_score(mod)
+    names = [p.name for p in dsl.params_of(t.expr)]
+    assert names == ["cap", "slopes"]
+    assert "ja_clampi(h, p.slopes_d0)" in t.cpp
+
+
+def test_python_semantics_of_floordiv_and_mod_match_in_cpp_and_torch():
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + (q_idx - kv_idx) // 3 + (q_idx - kv_idx) % 3
+    t = trace_score(mod)
+    assert "ja_floordiv" in t.cpp and "ja_mod" in t.cpp
+    q = torch.arange(-5, 6)
+    env = dict(score=torch.zeros(11, dtype=torch.float64), b=0, h=0, q_idx=q, kv_idx=0)
+    got = dsl.evaluate(t.expr, env, {})
+    assert got.tolist() == [float(x // 3 + x % 3) for x in range(-5, 6)]
+
+
+def test_evaluate_matches_direct_python_on_floats():
+    def mod(score, b, h, q_idx, kv_idx):
+        return ja.where(score > 0, ja.exp(-score), ja.sigmoid(score)) * ja.maximum(
+            ja.abs(q_idx - kv_idx), 1) ** 0.5 - ja.log(ja.minimum(score * score + 1.0, 4.0))
+    t = trace_score(mod)
+    for s, qi, ki in [(0.7, 3, 1), (-1.3, 0, 4), (2.5, 9, 9)]:
+        env = dict(score=torch.tensor(s, dtype=torch.float64), b=torch.tensor(0),
+                   h=torch.tensor(0), q_idx=torch.tensor(qi), kv_idx=torch.tensor(ki))
+        direct = (math.exp(-s) if s > 0 else 1 / (1 + math.exp(-s))) * max(abs(qi - ki), 1) ** 0.5 \
+            - math.log(min(s * s + 1.0, 4.0))
+        assert float(dsl.evaluate(t.expr, env, {})) == pytest.approx(direct, rel=1e-12)
+
+
+def test_captured_torch_tensor_becomes_runtime_param():
+    table = torch.randn(4, 9)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, ja.minimum(ja.maximum(kv_idx - q_idx, -4), 4) + 4]
+    t = trace_score(mod)
+    (p,) = dsl.params_of(t.expr)
+    assert p.captured is table and p.shape == (4, 9) and p.name == "score_captured0"
+
+
+def test_mask_mod_must_return_bool():
+    with pytest.raises(SpecError, match="must return a bool"):
+        dsl.trace(lambda b, h, q, k: q - k, "mask_mod")
+
+
+def test_data_dependent_if_points_to_where():
+    def mod(score, b, h, q_idx, kv_idx):
+        if score > 0:
+            return score
+        return -score
+    with pytest.raises(SpecError, match="ja.where"):
+        trace_score(mod)
+
+
+def test_python_and_min_are_rejected():
+    with pytest.raises(SpecError, match="ja.where"):
+        dsl.trace(lambda b, h, q, k: (q >= k) and (q - k < 4), "mask_mod")
+    with pytest.raises(SpecError):
+        trace_score(lambda s, b, h, q, k: s + min(q, k))
+
+
+def test_unknown_function_is_a_spec_error():
+    with pytest.raises(SpecError, match="ja"):
+        trace_score(lambda s, b, h, q, k: math.tanh(s))
+    with pytest.raises(SpecError, match="cannot be traced"):
+        trace_score(lambda s, b, h, q, k: torch.tanh(s))
+
+
+def test_wrong_arity():
+    with pytest.raises(SpecError, match="5 positional arguments"):
+        trace_score(lambda s, b, h: s)
+    with pytest.raises(SpecError, match="4 positional arguments"):
+        dsl.trace(lambda s, b, h, q, k: True, "mask_mod")
+
+
+def test_tensor_indexed_by_float_or_wrong_rank():
+    t = ja.tensor("bias", (16,), "float32")
+    with pytest.raises(SpecError, match="indexed by a float"):
+        trace_score(lambda s, b, h, q, k: s + t[s])
+    with pytest.raises(SpecError, match="1 dimensions"):
+        trace_score(lambda s, b, h, q, k: s + t[h, q])
+
+
+def test_bad_param_declarations():
+    with pytest.raises(SpecError, match="identifier"):
+        ja.scalar("1cap")
+    with pytest.raises(SpecError, match="shape entry"):
+        ja.tensor("x", ("heads",))
+    with pytest.raises(SpecError, match="dtype"):
+        ja.tensor("x", (4,), "float64")
+    with pytest.raises(SpecError, match="NaN"):
+        trace_score(lambda s, b, h, q, k: s + float("nan"))
+
+
+def test_same_name_for_two_params_is_rejected():
+    a, b2 = ja.tensor("x", (4,), "float32"), ja.tensor("x", (8,), "float32")
+    with pytest.raises(SpecError, match="two different"):
+        ja.Variant("clash", score_mod=lambda s, b, h, q, k: s + a[h] + b2[h])

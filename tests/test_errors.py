@@ -1,0 +1,92 @@
+"""Bad input raises a clear TypeError / ValueError naming the argument, before any launch."""
+
+import pytest
+import torch
+
+import jitattn as ja
+
+V = ja.Variant("plain")
+f16 = torch.float16
+
+
+def qkv(total_q=10, hq=8, total_kv=12, hkv=2, d=64, dtype=f16):
+    return (torch.randn(total_q, hq, d, dtype=dtype), torch.randn(total_kv, hkv, d, dtype=dtype),
+            torch.randn(total_kv, hkv, d, dtype=dtype))
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda q, k, v: (q.float(), k, v), TypeError, "q has dtype torch.float32"),
+    (lambda q, k, v: (q, k.bfloat16(), v), TypeError, "share one dtype"),
+    (lambda q, k, v: (q[0], k, v), ValueError, "q must have 3 dimensions"),
+    (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), ValueError, "head_dim"),
+    (lambda q, k, v: (q, k[..., :32].contiguous(), v[..., :32].contiguous()), ValueError,
+     "k/v head_dim"),
+    (lambda q, k, v: (q, k, v[:5]), ValueError, "same shape"),
+    (lambda q, k, v: (q[:, :7], k, v), ValueError, "multiple of num_kv_heads"),
+    (lambda q, k, v: (q.transpose(0, 1).contiguous().transpose(0, 1)[:, :, :],
+                      k.transpose(1, 2).contiguous().transpose(1, 2), v), ValueError, "strides"),
+    (lambda q, k, v: (q.numpy(), k, v), TypeError, "q must be a torch.Tensor"),
+])
+def test_bad_tensors(mutate, exc, match):
+    with pytest.raises(exc, match=match):
+        ja.attention(*mutate(*qkv()), V)
+
+
+def test_variant_must_be_a_variant():
+    with pytest.raises(TypeError, match="variant must be a jitattn.Variant"):
+        ja.attention(*qkv(), "causal")
+
+
+@pytest.mark.parametrize("qo, kv, match", [
+    ([0, 4, 10], None, "given together"),
+    ([0, 4, 10], [0, 12], "entries"),
+    ([1, 4, 10], [0, 6, 12], r"qo_indptr\[0\] is 1"),
+    ([0, 6, 4, 10], [0, 2, 6, 12], "non-decreasing"),
+    ([0, 4, 9], [0, 6, 12], r"qo_indptr\[-1\] is 9"),
+])
+def test_bad_indptr(qo, kv, match):
+    q, k, v = qkv()
+    kw = dict(qo_indptr=torch.tensor(qo, dtype=torch.int32))
+    if kv is not None:
+        kw["kv_indptr"] = torch.tensor(kv, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        ja.attention(q, k, v, V, **kw)
+
+
+def test_indptr_dtype():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="qo_indptr has dtype torch.float32"):
+        ja.attention(q, k, v, V, qo_indptr=torch.tensor([0.0, 10.0]),
+                     kv_indptr=torch.tensor([0, 12], dtype=torch.int32))
+
+
+def test_missing_extra_and_misshaped_params():
+    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
+    alibi = ja.Variant("alibi", score_mod=lambda s, b, h, q, k: s + slopes[h] * (k - q))
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="missing parameter"):
+        ja.attention(q, k, v, alibi)
+    with pytest.raises(ValueError, match="unexpected parameter"):
+        ja.attention(q, k, v, alibi, slopes=torch.ones(8), bias=1.0)
+    with pytest.raises(ValueError, match=r"shape \(2,\), expected \(8,\)"):
+        ja.attention(q, k, v, alibi, slopes=torch.ones(2))
+    with pytest.raises(ValueError, match="unexpected parameter"):
+        ja.attention(q, k, v, V, slopes=torch.ones(8))
+
+
+def test_captured_tensor_too_small_for_its_index():
+    table = torch.randn(4, 9)  # covers 4 heads
+
+    def bias(s, b, h, q_idx, kv_idx):
+        return s + table[h, 0]
+    v = ja.Variant("bias", score_mod=bias)
+    q, k, vv = qkv()
+    assert ja.attention(q[:, :4], k, vv, v).shape == (10, 4, 64)  # 4 heads: fine
+    with pytest.raises(ValueError, match="indexed by h in dimension 0"):
+        ja.attention(q, k, vv, v)  # 8 heads would read past the table
+
+
+def test_bad_out_buffer():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="out is"):
+        ja.attention(q, k, v, V, out=torch.empty(10, 8, 32, dtype=f16))

@@ -1,0 +1,85 @@
+"""CUDA kernels against the reference on the GPU (run on the device: ``pytest -m gpu``).
+
+Every built-in variant x {fp16, bf16} x head_dim {64, 128, 256} x GQA {1, 4, 7} x layouts whose
+lengths are not multiples of the tiles, including q_len > kv_len under causal masks (fully masked
+rows: out 0, lse -inf), empty and one-token requests; both the prefill and the decode kernels.
+"""
+
+import pytest
+import torch
+
+import jitattn as ja
+from jitattn import catalog
+
+from helpers import check, make_batch
+
+pytestmark = pytest.mark.gpu
+
+BUILTIN = catalog.builtin()
+HEADS = [(4, 4), (8, 2), (7, 1)]
+LAYOUTS = [
+    ([45], [30]),                              # q_len > kv_len: first 15 rows fully masked
+    ([129], [257]),                            # prefill, odd lengths
+    ([1], [1000]),                             # decode kernel, one request
+    ([1, 1, 1, 1], [0, 1, 77, 300]),           # decode kernel, ragged, empty KV, one key
+    ([0, 1, 33, 70], [5, 9, 100, 70]),         # prefill kernel, ragged, empty query
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_builtin_variant_matches_reference(name, dtype, head_dim):
+    for i, (hq, hkv) in enumerate(HEADS):
+        for j, (qo_lens, kv_lens) in enumerate(LAYOUTS):
+            variant, params = BUILTIN[name].example(len(qo_lens), hq, hkv, max(qo_lens),
+                                                    max(kv_lens), "cuda")
+            q, k, v, qo, kv = make_batch(qo_lens, kv_lens, hq, hkv, head_dim, dtype, "cuda",
+                                         seed=hash((name, head_dim, i, j)) % 2**31)
+            if len(qo_lens) == 1:
+                check(variant, params, q, k, v)
+            else:
+                check(variant, params, q, k, v, qo, kv)
+
+
+def test_custom_variant_with_every_feature_gpu():
+    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
+    cap = ja.scalar("cap")
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return cap * ja.tanh(score / cap) + slopes[h] * (kv_idx - q_idx)
+
+    def local_and_even(b, h, q_idx, kv_idx):
+        return ((q_idx - kv_idx) % 2 == 0) | (kv_idx < 3)
+    variant = ja.Variant("everything", mask="causal", window_left=40, score_mod=mod,
+                         mask_mod=local_and_even,
+                         pos_encoding=ja.RoPE(theta=1e4, style="gptj",
+                                              scaling={"type": "linear", "factor": 2.0}))
+    params = {"cap": 20.0, "slopes": ja.alibi_slopes(8).cuda()}
+    for qo_lens, kv_lens in (([3, 50], [60, 50]), ([1, 1], [90, 3])):
+        q, k, v, qo, kv = make_batch(qo_lens, kv_lens, 8, 2, 128, torch.bfloat16, "cuda", 7)
+        check(variant, params, q, k, v, qo, kv)
+
+
+def test_long_sequence_and_repeatability():
+    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    q, k, v, _, _ = make_batch([3000], [4097], 16, 4, 128, torch.float16, "cuda", seed=11)
+    out, _ = check(variant, {}, q, k, v)
+    for _ in range(3):
+        assert torch.equal(ja.attention(q, k, v, variant), out)
+
+
+def test_runs_on_current_stream():
+    variant = ja.Variant("plain", mask="none")
+    q, k, v, _, _ = make_batch([200], [300], 8, 8, 64, torch.float16, "cuda", seed=2)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        out = ja.attention(q, k, v, variant)
+    s.synchronize()
+    torch.testing.assert_close(out, ja.attention(q, k, v, variant))

@@ -1,0 +1,90 @@
+"""Variant validation, keys and parameter binding."""
+
+import numpy as np
+import pytest
+import torch
+
+import jitattn as ja
+from jitattn.dsl import SpecError
+
+
+def test_key_is_stable_and_content_addressed():
+    a = ja.Variant("softcap", score_mod=ja.soft_cap(50.0))
+    b = ja.Variant("softcap", score_mod=ja.soft_cap(50.0))
+    c = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    assert a.key == b.key and a == b and hash(a) == hash(b)
+    assert a.key != c.key and a.key.startswith("softcap-causal-")
+    assert ja.Variant("w", window_left=4).key != ja.Variant("w", window_left=5).key
+
+
+def test_captured_tensor_values_do_not_change_the_key():
+    t1, t2 = torch.randn(4), torch.randn(4)
+    v1 = ja.Variant("cap", score_mod=lambda s, b, h, q, k: s + t1[h])
+    v2 = ja.Variant("cap", score_mod=lambda s, b, h, q, k: s + t2[h])
+    assert v1.key == v2.key and v1 != v2  # same code, different bound data
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mask="diagonal"), "mask"),
+    (dict(reduction="relu"), "reduction"),
+    (dict(window_left=-3), "window_left"),
+    (dict(window_left=2.5), "window_left"),
+    (dict(pos_encoding="rope"), "pos_encoding"),
+    (dict(name="bad name"), "name"),
+])
+def test_invalid_options(kw, match):
+    kw = {"name": "v", **kw}
+    with pytest.raises(SpecError, match=match):
+        ja.Variant(**kw)
+
+
+def test_window_minus_one_means_unlimited():
+    assert ja.Variant("w", window_left=-1).window_left is None
+
+
+def test_rope_validation_and_llama3_frequencies():
+    with pytest.raises(SpecError, match="style"):
+        ja.RoPE(style="rotate")
+    with pytest.raises(SpecError, match="missing"):
+        ja.RoPE(scaling={"type": "llama3", "factor": 8.0})
+    plain = ja.RoPE(theta=500000.0).inv_freq(64)
+    assert plain[0] == 1.0 and plain.shape == (32,)
+    scaled = ja.RoPE(theta=500000.0, scaling={
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}).inv_freq(64)
+    # high frequencies (short wavelengths) untouched, the lowest divided by the factor
+    assert scaled[0] == plain[0]
+    np.testing.assert_allclose(scaled[-1], plain[-1] / 32.0)
+    lin = ja.RoPE(scaling={"type": "linear", "factor": 4.0}).inv_freq(128)
+    np.testing.assert_allclose(lin, ja.RoPE().inv_freq(128) / 4.0)
+
+
+def _alibi():
+    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
+    return ja.Variant("alibi", score_mod=lambda s, b, h, q, k: s + slopes[h] * (k - q))
+
+
+SIZES = dict(batch_size=2, num_qo_heads=8, num_kv_heads=2, qo_len=5, kv_len=9)
+
+
+def test_bind_checks_names_shapes_dtypes():
+    v = _alibi()
+    cpu = torch.device("cpu")
+    assert v.runtime_param_names == ("slopes",)
+    with pytest.raises(ValueError, match="missing parameter"):
+        v.bind({}, device=cpu, sizes=SIZES)
+    with pytest.raises(ValueError, match="unexpected parameter"):
+        v.bind({"slopes": torch.ones(8), "cap": 1.0}, device=cpu, sizes=SIZES)
+    with pytest.raises(ValueError, match=r"shape \(4,\), expected \(8,\)"):
+        v.bind({"slopes": torch.ones(4)}, device=cpu, sizes=SIZES)
+    with pytest.raises(TypeError, match="dtype torch.float16"):
+        v.bind({"slopes": torch.ones(8, dtype=torch.float16)}, device=cpu, sizes=SIZES)
+    with pytest.raises(ValueError, match="contiguous"):
+        v.bind({"slopes": torch.ones(16)[::2]}, device=cpu, sizes=SIZES)
+    assert v.bind({"slopes": torch.ones(8)}, device=cpu, sizes=SIZES)["slopes"].shape == (8,)
+
+
+def test_alibi_slopes_non_power_of_two():
+    s8, s12 = ja.alibi_slopes(8), ja.alibi_slopes(12)
+    assert torch.allclose(s8, torch.tensor([2.0 ** (-i) for i in range(1, 9)]))
+    assert torch.equal(s12[:8], s8) and len(set(s12.tolist())) == 12
