@@ -189,4 +189,8 @@ def _launch(q, k, v, out, lse, variant, bound, qo_indptr, kv_indptr, qo_host, kv
                             head_dim=head_dim, device_index=index)
     g = hq // hkv
     grid = (-(-max_qo * g // kernel.rows_per_cta), batch, hkv)
-    kernel.launch(grid, args, torch.cuda.current_stream(q.device).cuda_stream, index)
+    if index == torch.cuda.current_device():
+        kernel.launch(grid, args, torch.cuda.current_stream(index).cuda_stream)
+    else:
+        with torch.cuda.device(index):
+            kernel.launch(grid, args, torch.cuda.current_stream(index).cuda_stream)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 import sys
 import time
@@ -39,11 +40,24 @@ def device_arch(device_index: int) -> str:
     return f"sm_{major}{minor}{'a' if (major, minor) == (9, 0) else ''}"
 
 
-def cache_key(src: RenderedSource, arch: str | None) -> str:
+def _compiler_fingerprint(lang: str, cache: Cache) -> str:
+    """build.compiler_fingerprint, remembered in the cache root per compiler binary (path, size,
+    mtime), so a warm process does not run ``nvcc --version``."""
+    tool = env.nvcc_path() if lang == "cuda" else env.cxx_path()
+    if tool is None or shutil.which(tool) is None:
+        return build.compiler_fingerprint(lang)
+    real = os.path.realpath(shutil.which(tool))
+    st = os.stat(real)
+    stamp = f"{lang}:{real}:{st.st_size}:{st.st_mtime_ns}"
+    return cache.remember(".compilers.json", stamp, lambda: build.compiler_fingerprint(lang))
+
+
+def cache_key(src: RenderedSource, arch: str | None, cache: Cache | None = None) -> str:
     """Readable name plus a hash of everything that changes the binary: the rendered source,
     every header it can include, compiler fingerprint and flags, arch, jitattn version."""
     h = hashlib.sha256()
-    for part in (src.code, src.headers_digest, build.compiler_fingerprint(src.lang),
+    fingerprint = _compiler_fingerprint(src.lang, cache or Cache())
+    for part in (src.code, src.headers_digest, fingerprint,
                  " ".join(build.flags(src.lang, arch)), str(arch), __version__):
         h.update(part.encode())
         h.update(b"\0")
@@ -54,7 +68,7 @@ def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = 
     """Binary path for ``src``: from the cache, or built under the key's lock and published.
     Returns (path, built: bool)."""
     cache = cache or Cache()
-    key = cache_key(src, arch)
+    key = cache_key(src, arch, cache)
     binary = build.BINARY_NAME[src.lang]
     path = cache.load(key, binary)
     if path is not None:

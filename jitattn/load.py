@@ -7,17 +7,37 @@ argument list (built in api.py) serves both backends.
 from __future__ import annotations
 
 import ctypes
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from .render import RenderedSource
 
-_NUMPY = {"ptr": np.uint64, "i32": np.int32, "i64": np.int64, "f32": np.float32}
+_STRUCT = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int, "i64": ctypes.c_longlong,
            "f32": ctypes.c_float}
-_STREAMS: dict = {}
+
+
+class _ParamBuffer:
+    """Kernel arguments packed in place for cuLaunchKernel: one buffer laid out with C
+    alignment, and the array of pointers into it. Built once per argument signature, so a launch
+    costs one struct.pack_into."""
+
+    def __init__(self, kinds: tuple):
+        self.kinds = kinds
+        self.format = "@" + "".join(_STRUCT[k] for k in kinds)
+        self.buffer = ctypes.create_string_buffer(max(8, struct.calcsize(self.format)))
+        base = ctypes.addressof(self.buffer)
+        offsets, fmt = [], "@"
+        for k in kinds:
+            fmt += _STRUCT[k]
+            offsets.append(struct.calcsize(fmt) - struct.calcsize("@" + _STRUCT[k]))
+        self.pointers = (ctypes.c_void_p * len(kinds))(*(base + o for o in offsets))
+        self.address = ctypes.addressof(self.pointers)
+
+    def pack(self, values) -> int:
+        struct.pack_into(self.format, self.buffer, 0, *values)
+        return self.address
 
 
 @dataclass
@@ -30,17 +50,18 @@ class CudaKernel:
     smem_bytes: int
     rows_per_cta: int
     kind: str
+    _params: _ParamBuffer | None = None
 
-    def launch(self, grid: tuple, args: list, stream_ptr: int, device_index: int) -> None:
-        """Launch on the CUDA stream ``stream_ptr`` (torch's current stream); no sync."""
-        import cupy
-        stream = _STREAMS.get((stream_ptr, device_index))
-        if stream is None:
-            stream = _STREAMS[(stream_ptr, device_index)] = cupy.cuda.ExternalStream(
-                stream_ptr, device_index)
-        packed = tuple(_NUMPY[k](v) for k, v in args)
-        with cupy.cuda.Device(device_index), stream:
-            self.function(grid, (self.threads,), packed, shared_mem=self.smem_bytes)
+    def launch(self, grid: tuple, args: list, stream_ptr: int) -> None:
+        """Launch on the CUDA stream ``stream_ptr`` (torch's current stream); no sync.
+        ``args`` are ``(kind, value)`` pairs; the caller makes the kernel's device current."""
+        from cupy.cuda import driver
+        kinds = tuple(k for k, _ in args)
+        if self._params is None or self._params.kinds != kinds:
+            self._params = _ParamBuffer(kinds)
+        params = self._params.pack([v for _, v in args])
+        driver.launchKernel(self.function.kernel.ptr, grid[0], grid[1], grid[2], self.threads,
+                            1, 1, self.smem_bytes, stream_ptr, params, 0)
 
 
 @dataclass
@@ -66,6 +87,7 @@ def load_cuda(path: Path, src: RenderedSource, device_index: int) -> CudaKernel:
         smem = src.tiles.smem_bytes(src.kind, src.head_dim)
         if smem > 48 * 1024:
             function.max_dynamic_shared_size_bytes = smem
+        function.kernel  # load the module now, not at the first launch
     return CudaKernel(function, module, threads=32 * src.tiles.num_warps, smem_bytes=smem,
                       rows_per_cta=src.tiles.rows_per_cta(src.kind), kind=src.kind)
 

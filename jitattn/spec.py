@@ -246,9 +246,11 @@ class Variant:
         if self.window_left is not None:
             parts.append(f"window_left={self.window_left}")
         if self._score:
-            parts.append(f"score_mod={self._score.cpp}")
+            parts.append(f"score_mod={self._score.fn_name}")
         if self._mask:
-            parts.append(f"mask_mod={self._mask.cpp}")
+            parts.append(f"mask_mod={self._mask.fn_name}")
+        if self._params:
+            parts.append("params=" + ",".join(p.name for p in self._params))
         if self.pos_encoding:
             parts.append(f"rope={self.pos_encoding}")
         parts.append(f"reduction={self.reduction}")

@@ -13,7 +13,10 @@ from jitattn import reference
 # reference after rounding to the kernel's dtype, so the budget is a few output ulps plus
 # float32 accumulation.
 TOL = {torch.float16: dict(atol=3e-3, rtol=3e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-LSE_ATOL = 2e-3  # lse is float32 in every backend
+# lse is float32, but the scores behind it come from 16-bit inputs; with fused RoPE the rotated
+# keys are rounded back to the input dtype in shared memory (as HF rotates in the model dtype),
+# so bf16 gets a bf16-sized budget.
+LSE_ATOL = {torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
 
 def make_batch(qo_lens, kv_lens, hq, hkv, head_dim, dtype, device, seed):
@@ -41,7 +44,7 @@ def check(variant, params, q, k, v, qo_indptr=None, kv_indptr=None):
     lse = lse.double()
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows with no visible key differ"
     finite = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=LSE_ATOL, rtol=1e-4)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=LSE_ATOL[q.dtype], rtol=1e-4)
     # rows that see no key: output exactly 0
     if variant.reduction == "softmax":
         empty = torch.isinf(ref_lse)

@@ -1,0 +1,104 @@
+"""The ``jitattn`` command line: doctor, cache ls | clear, compile <variant file>."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from . import __version__, build, catalog, env, jit, render
+from .cache import Cache
+
+
+def _doctor(args) -> int:
+    print(f"jitattn {__version__}")
+    nvcc = env.nvcc_path()
+    print(f"nvcc: {nvcc or 'not found (CUDA kernels will be built with NVRTC through CuPy)'}")
+    if nvcc:
+        print("      " + build.compiler_fingerprint("cuda").splitlines()[-1])
+    print(f"c++ (CPU backend): {env.cxx_path() or 'not found'}")
+    print(f"ninja: {env.ninja_path() or 'not found'}")
+    try:
+        import torch
+        print(f"torch: {torch.__version__}")
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                print(f"GPU {i}: {torch.cuda.get_device_name(i)} ({jit.device_arch(i)})")
+        else:
+            print("GPU: none visible to torch (CPU tensors run on the CPU backend)")
+    except ImportError:
+        print("torch: not installed")
+    try:
+        import cupy
+        print(f"cupy: {cupy.__version__}")
+    except ImportError:
+        print("cupy: not installed (pip install 'jitattn[cuda]' to run CUDA kernels)")
+    cache = Cache()
+    note = f" (fallback: {cache.fallback_reason})" if cache.fallback_reason else ""
+    print(f"cache: {cache.root}{note}, {len(cache.entries())} entries")
+    return 0
+
+
+def _cache(args) -> int:
+    cache = Cache()
+    if args.action == "clear":
+        print(f"removed {cache.clear()} entries from {cache.root}")
+        return 0
+    rows = cache.entries()
+    for meta in rows:
+        built = time.strftime("%Y-%m-%d %H:%M", time.localtime(meta.get("created", 0)))
+        print(f"{meta['bytes'] / 1024:9.1f} KiB  {built}  {meta['key']}")
+    print(f"{len(rows)} entries in {cache.root}")
+    return 0
+
+
+def _compile(args) -> int:
+    """Render and build every variant a file defines, for the requested specialisations."""
+    module = catalog.load_file(args.variant_file)
+    variants = catalog.variants_in(module)
+    if not variants:
+        print(f"{args.variant_file}: defines no Variant and no make()", file=sys.stderr)
+        return 2
+    for variant in variants:
+        print(variant.describe())
+        for head_dim in args.head_dim:
+            if args.cpu:
+                path, built = jit.compile_cached(render.render_cpu(variant, head_dim=head_dim),
+                                                 None)
+                print(f"  {'built' if built else 'cached'} {path}")
+                continue
+            for kind in args.kind:
+                for dtype_tag in args.dtype:
+                    src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag,
+                                             head_dim=head_dim)
+                    path, built = jit.compile_cached(src, args.arch)
+                    print(f"  {'built' if built else 'cached'} {path}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="jitattn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="show compilers, GPUs, CuPy and the cache").set_defaults(
+        fn=_doctor)
+    c = sub.add_parser("cache", help="list or clear the kernel cache")
+    c.add_argument("action", choices=["ls", "clear"])
+    c.set_defaults(fn=_cache)
+    b = sub.add_parser("compile", help="build the kernels of a variant file into the cache")
+    b.add_argument("variant_file")
+    b.add_argument("--head-dim", type=int, nargs="+", default=[128], choices=render.HEAD_DIMS)
+    b.add_argument("--dtype", nargs="+", default=["f16", "bf16"], choices=["f16", "bf16"])
+    b.add_argument("--kind", nargs="+", default=list(render.KINDS), choices=render.KINDS)
+    b.add_argument("--arch", default="sm_90a", help="CUDA target, e.g. sm_90a, sm_80")
+    b.add_argument("--cpu", action="store_true", help="build the CPU backend instead")
+    b.set_defaults(fn=_compile)
+    args = parser.parse_args(argv)
+    if args.command == "compile" and not args.cpu and env.nvcc_path() is None:
+        print("jitattn compile: nvcc not found; use --cpu or install the CUDA toolkit",
+              file=sys.stderr)
+        return 2
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

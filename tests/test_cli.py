@@ -1,0 +1,38 @@
+"""The jitattn command line."""
+
+import shutil
+
+import pytest
+
+from jitattn import cli, env
+
+
+def test_doctor(capsys):
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "ninja:" in out and "cache:" in out and "nvcc:" in out
+
+
+def test_compile_cpu_then_ls_then_clear(capsys):
+    variant_file = str(env.variants_dir() / "softcap.py")
+    assert cli.main(["compile", variant_file, "--cpu", "--head-dim", "64"]) == 0
+    assert "kernel.so" in capsys.readouterr().out
+    assert cli.main(["compile", variant_file, "--cpu", "--head-dim", "64"]) == 0
+    assert "cached" in capsys.readouterr().out
+    assert cli.main(["cache", "ls"]) == 0
+    assert "softcap50-causal" in capsys.readouterr().out
+    assert cli.main(["cache", "clear"]) == 0
+    assert "removed" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_compile_cuda(capsys):
+    variant_file = str(env.variants_dir() / "alibi.py")
+    assert cli.main(["compile", variant_file, "--head-dim", "64", "--dtype", "bf16",
+                     "--kind", "decode"]) == 0
+    assert "kernel.cubin" in capsys.readouterr().out
+
+
+def test_compile_missing_file():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        cli.main(["compile", "no/such/variant.py", "--cpu"])
