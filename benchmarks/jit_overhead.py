@@ -46,6 +46,7 @@ def main() -> None:
     imports = sorted(float(c[0]) for c in child)[1]
     warm = sorted(float(c[1]) for c in child)[1]
 
+    k = k[:16].contiguous()  # a tiny problem, so that the GPU keeps up with the host
     for _ in range(100):
         ja.attention(q, k, k, variant)
     torch.cuda.synchronize()
@@ -59,7 +60,8 @@ def main() -> None:
     print(f"cold first call (render + nvcc + load + run): {cold:8.2f} s")
     print(f"warm first call in a new process (median of 3): {warm:8.1f} ms "
           f"(import jitattn {imports:.1f} ms)")
-    print(f"host time of a cached call (decode 32/8 heads, mean of {n}): {host * 1e6:8.1f} us")
+    print(f"host time of a cached call (decode 32/8 heads, kv 16, mean of {n}): "
+          f"{host * 1e6:8.1f} us")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """jitattn in one page: a custom variant, compiled on first use, checked against the reference.
 
 The variant: Gemma-2-style soft-cap plus an ALiBi-style bias read from a captured tensor, causal,
-with RoPE fused into the Q/K load. Runs on the GPU when there is one (and CuPy), else on the CPU
+with RoPE fused into the Q/K load. Runs on the GPU when there is one, else on the CPU
 backend. A second process then runs the same call and finds the kernel in the disk cache.
 
     python examples/quickstart.py
@@ -16,16 +16,6 @@ import torch
 
 import jitattn as ja
 from jitattn import reference
-
-
-def pick_device() -> str:
-    if torch.cuda.is_available():
-        try:
-            import cupy  # noqa: F401  (the CUDA extra)
-            return "cuda"
-        except ImportError:
-            print("CUDA is available but CuPy is not: pip install 'jitattn[cuda]'; using CPU")
-    return "cpu"
 
 
 def make_variant(num_qo_heads: int, device: str) -> ja.Variant:
@@ -59,7 +49,7 @@ def run_once(device: str) -> float:
 
 
 def main() -> None:
-    device = pick_device()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if "--child" in sys.argv:
         run_once(device)
         return

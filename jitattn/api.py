@@ -48,7 +48,8 @@ def _check_qkv(q, k, v) -> None:
                          f"({hkv})")
     for name, t in (("q", q), ("k", k), ("v", v)):
         # 16-byte vector loads: the last dim contiguous, row strides multiples of 8 elements
-        if t.stride(2) != 1 or t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16:
+        s0, s1, s2 = t.stride()
+        if s2 != 1 or s0 % 8 or s1 % 8 or t.data_ptr() % 16:
             raise ValueError(f"{name} has strides {t.stride()} (data pointer "
                              f"{t.data_ptr():#x}); expected the last dimension contiguous, "
                              f"the other strides multiples of 8 elements and a 16-byte "
@@ -169,9 +170,9 @@ def _launch(q, k, v, out, lse, variant, bound, qo_indptr, kv_indptr, qo_host, kv
             ("i32", qo_host[-1]), ("i32", kv_host[-1])]
     if q.device.type == "cpu":
         args.append(("i32", batch))
-    args += [("i32", hq), ("i32", hkv), ("i64", q.stride(0)), ("i32", q.stride(1)),
-             ("i64", k.stride(0)), ("i32", k.stride(1)), ("i64", v.stride(0)),
-             ("i32", v.stride(1)), ("f32", sm_scale)]
+    (qs0, qs1, _), (ks0, ks1, _), (vs0, vs1, _) = q.stride(), k.stride(), v.stride()
+    args += [("i32", hq), ("i32", hkv), ("i64", qs0), ("i32", qs1), ("i64", ks0), ("i32", ks1),
+             ("i64", vs0), ("i32", vs1), ("f32", sm_scale)]
     for p in variant.params:
         if isinstance(p, ScalarParam):
             args.append(("f32", bound[p.name]))
@@ -189,8 +190,4 @@ def _launch(q, k, v, out, lse, variant, bound, qo_indptr, kv_indptr, qo_host, kv
                             head_dim=head_dim, device_index=index)
     g = hq // hkv
     grid = (-(-max_qo * g // kernel.rows_per_cta), batch, hkv)
-    if index == torch.cuda.current_device():
-        kernel.launch(grid, args, torch.cuda.current_stream(index).cuda_stream)
-    else:
-        with torch.cuda.device(index):
-            kernel.launch(grid, args, torch.cuda.current_stream(index).cuda_stream)
+    kernel.launch(grid, args, torch.cuda.current_stream(index).cuda_stream)

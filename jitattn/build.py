@@ -14,8 +14,7 @@ from pathlib import Path
 from . import env
 from .render import RenderedSource
 
-NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xcudafe",
-              "--diag_suppress=177")
+NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "-Xcudafe", "--diag_suppress=177")
 CXX_FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-Wno-unused-parameter")
 SOURCE_NAME = {"cuda": "kernel.cu", "cpp": "kernel.cpp"}
 BINARY_NAME = {"cuda": "kernel.cubin", "cpp": "kernel.so"}
@@ -134,7 +133,7 @@ def _build_nvrtc(src: RenderedSource, source_path: Path, arch: str) -> Path:
     from cupy_backends.cuda.libs import nvrtc
 
     cuda_include = Path(cupy.cuda.get_cuda_path() or "/usr/local/cuda") / "include"
-    opts = ["-std=c++17", f"-arch={arch}", "--expt-relaxed-constexpr",
+    opts = ["-std=c++17", f"-arch={arch}",
             *(f"-I{d}" for d in (*src.include_dirs, str(cuda_include)))]
     prog = nvrtc.createProgram(src.code, str(source_path), [], [])
     try:

@@ -32,7 +32,8 @@ def _doctor(args) -> int:
         import cupy
         print(f"cupy: {cupy.__version__}")
     except ImportError:
-        print("cupy: not installed (pip install 'jitattn[cuda]' to run CUDA kernels)")
+        print("cupy: not installed (needed only without nvcc, for NVRTC: "
+              "pip install 'jitattn[cuda]')")
     cache = Cache()
     note = f" (fallback: {cache.fallback_reason})" if cache.fallback_reason else ""
     print(f"cache: {cache.root}{note}, {len(cache.entries())} entries")

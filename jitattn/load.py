@@ -1,4 +1,7 @@
-"""Binary -> launchable kernel: a cubin through ``cupy.RawModule``, a CPU library through ctypes.
+"""Binary -> launchable kernel: a cubin through the CUDA driver API (ctypes on libcuda), a CPU
+library through ctypes. (DESIGN.md names cupy.RawModule; importing CuPy alone costs 100-400 ms,
+more than the whole warm-load budget, so the driver is called directly. CuPy remains the NVRTC
+fallback when nvcc is missing.)
 
 Kernels take typed arguments ``(kind, value)`` with kind ``"ptr" | "i32" | "i64" | "f32"``, so one
 argument list (built in api.py) serves both backends.
@@ -40,12 +43,69 @@ class _ParamBuffer:
         return self.address
 
 
+class _Driver:
+    """The few CUDA driver API calls jitattn needs, through ctypes on libcuda. Modules are loaded
+    into the device's primary context, the one PyTorch's runtime uses."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp, u, i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+        sig = {"cuInit": [u], "cuDeviceGet": [ctypes.POINTER(i), i],
+               "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), i],
+               "cuCtxGetCurrent": [ctypes.POINTER(vp)], "cuCtxSetCurrent": [vp],
+               "cuModuleLoad": [ctypes.POINTER(vp), ctypes.c_char_p],
+               "cuModuleGetFunction": [ctypes.POINTER(vp), vp, ctypes.c_char_p],
+               "cuFuncSetAttribute": [vp, i, i],
+               "cuLaunchKernel": [vp, u, u, u, u, u, u, u, vp, vp, vp],
+               "cuGetErrorString": [i, ctypes.POINTER(ctypes.c_char_p)]}
+        for name, argtypes in sig.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = i
+        self.lib = lib
+        self.check(lib.cuInit(0), "cuInit")
+        self.contexts: dict = {}
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            msg = ctypes.c_char_p()
+            self.lib.cuGetErrorString(rc, ctypes.byref(msg))
+            raise RuntimeError(f"{what} failed: CUDA error {rc} "
+                               f"({(msg.value or b'unknown').decode()})")
+
+    def make_current(self, device_index: int) -> None:
+        """Make the device's primary context current on this thread (a no-op when it is)."""
+        ctx = self.contexts.get(device_index)
+        if ctx is None:
+            dev, handle = ctypes.c_int(), ctypes.c_void_p()
+            self.check(self.lib.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(handle), dev),
+                       "cuDevicePrimaryCtxRetain")
+            ctx = self.contexts[device_index] = handle.value
+        current = ctypes.c_void_p()
+        self.lib.cuCtxGetCurrent(ctypes.byref(current))
+        if current.value != ctx:
+            self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+_DRIVER: _Driver | None = None
+
+
+def _driver() -> _Driver:
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = _Driver()
+    return _DRIVER
+
+
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
 @dataclass
 class CudaKernel:
-    """A loaded CUDA kernel and its launch shape (threads, dynamic shared memory, rows/CTA)."""
+    """A loaded CUDA kernel (a CUfunction) and its launch shape."""
 
-    function: object          # cupy.RawKernel
-    module: object            # cupy.RawModule, kept alive with the function
+    function: int             # CUfunction handle
+    device_index: int
     threads: int
     smem_bytes: int
     rows_per_cta: int
@@ -54,14 +114,18 @@ class CudaKernel:
 
     def launch(self, grid: tuple, args: list, stream_ptr: int) -> None:
         """Launch on the CUDA stream ``stream_ptr`` (torch's current stream); no sync.
-        ``args`` are ``(kind, value)`` pairs; the caller makes the kernel's device current."""
-        from cupy.cuda import driver
+        ``args`` are ``(kind, value)`` pairs matching the kernel's signature."""
         kinds = tuple(k for k, _ in args)
         if self._params is None or self._params.kinds != kinds:
             self._params = _ParamBuffer(kinds)
         params = self._params.pack([v for _, v in args])
-        driver.launchKernel(self.function.kernel.ptr, grid[0], grid[1], grid[2], self.threads,
-                            1, 1, self.smem_bytes, stream_ptr, params, 0)
+        drv = _driver()
+        drv.make_current(self.device_index)
+        rc = drv.lib.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], self.threads, 1,
+                                    1, self.smem_bytes, stream_ptr, params, None)
+        if rc != 0:
+            drv.check(rc, f"cuLaunchKernel (grid {grid}, {self.threads} threads, "
+                          f"{self.smem_bytes} B shared memory)")
 
 
 @dataclass
@@ -79,17 +143,22 @@ class CpuKernel:
 
 
 def load_cuda(path: Path, src: RenderedSource, device_index: int) -> CudaKernel:
-    """Load a cubin on device ``device_index`` and raise its shared-memory limit if needed."""
-    import cupy
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(path=str(path))
-        function = module.get_function(src.entries[0])
-        smem = src.tiles.smem_bytes(src.kind, src.head_dim)
-        if smem > 48 * 1024:
-            function.max_dynamic_shared_size_bytes = smem
-        function.kernel  # load the module now, not at the first launch
-    return CudaKernel(function, module, threads=32 * src.tiles.num_warps, smem_bytes=smem,
-                      rows_per_cta=src.tiles.rows_per_cta(src.kind), kind=src.kind)
+    """Load a cubin into device ``device_index``'s primary context; raise the kernel's dynamic
+    shared-memory limit when it needs more than the default 48 KiB."""
+    drv = _driver()
+    drv.make_current(device_index)
+    module, function = ctypes.c_void_p(), ctypes.c_void_p()
+    drv.check(drv.lib.cuModuleLoad(ctypes.byref(module), str(path).encode()),
+              f"cuModuleLoad({path})")
+    drv.check(drv.lib.cuModuleGetFunction(ctypes.byref(function), module,
+                                          src.entries[0].encode()), "cuModuleGetFunction")
+    smem = src.tiles.smem_bytes(src.kind, src.head_dim)
+    if smem > 48 * 1024:
+        drv.check(drv.lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED, smem),
+                  "cuFuncSetAttribute(max dynamic shared memory)")
+    return CudaKernel(function.value, device_index, threads=32 * src.tiles.num_warps,
+                      smem_bytes=smem, rows_per_cta=src.tiles.rows_per_cta(src.kind),
+                      kind=src.kind)
 
 
 def load_cpu(path: Path, src: RenderedSource) -> CpuKernel:

@@ -48,8 +48,8 @@ REPRESENTATIVE = [("softcap", "prefill", "f16", 128), ("alibi", "decode", "bf16"
 @pytest.mark.parametrize("name, kind, dtype_tag, head_dim", REPRESENTATIVE)
 def test_nvcc_compiles_sm90a(name, kind, dtype_tag, head_dim):
     src = render.render_cuda(_example(name), kind=kind, dtype_tag=dtype_tag, head_dim=head_dim)
-    path, built = jit.compile_cached(src, "sm_90a")
-    assert built and path.stat().st_size > 1000
+    path, _ = jit.compile_cached(src, "sm_90a")
+    assert path.stat().st_size > 1000
     assert path.read_bytes()[:4] == b"\x7fELF"  # a cubin is an ELF image
 
 
