@@ -9,7 +9,11 @@
 #define JA_HD inline
 #endif
 
+#ifdef __CUDACC_RTC__
+#define JA_INF (__int_as_float(0x7f800000))  // NVRTC: device code only, no builtins
+#else
 #define JA_INF (__builtin_huge_valf())
+#endif
 
 JA_HD float ja_tanh(float x) { return tanhf(x); }
 JA_HD float ja_exp(float x) { return expf(x); }
