@@ -7,8 +7,7 @@ import math
 
 import torch
 
-from . import dtypes, jit
-from .dsl import ScalarParam
+from . import dtypes, launch
 from .render import HEAD_DIMS
 from .spec import Variant
 
@@ -43,7 +42,7 @@ def _check_qkv(q, k, v) -> None:
     if k.shape[2] != head_dim:
         raise ValueError(f"k/v head_dim is {k.shape[2]} but q's is {head_dim}")
     hq, hkv = q.shape[1], k.shape[1]
-    if hkv == 0 or hq % hkv != 0:
+    if hkv == 0 or hq == 0 or hq % hkv != 0:
         raise ValueError(f"num_qo_heads ({hq}) must be a positive multiple of num_kv_heads "
                          f"({hkv})")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -84,7 +83,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     q: [total_q, num_qo_heads, head_dim]; k, v: [total_kv, num_kv_heads, head_dim]; fp16 or
         bf16, on one CUDA device (CUDA kernels) or on the CPU (CPU backend). head_dim 64, 128 or
         256; num_qo_heads a multiple of num_kv_heads (GQA: query head h reads kv head
-        h // (num_qo_heads // num_kv_heads)). Last dim contiguous.
+        h // (num_qo_heads // num_kv_heads)). Last dim contiguous, the other strides multiples
+        of 8 elements, 16-byte aligned data (16-byte vector loads).
     qo_indptr, kv_indptr: [batch_size + 1] int32 (or int64) offsets of each request's rows in
         q and k/v; both or neither (then q, k, v are one request). Read on the host: pass CPU
         tensors to avoid a device sync.
@@ -135,7 +135,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     out = _output("out", out, (total_q, hq, head_dim), q.dtype, q.device)
     lse = _output("lse", lse, (total_q, hq), torch.float32, q.device)
     if total_q > 0:
-        _launch(q, k, v, out, lse, variant, bound, qo_indptr, kv_indptr, qo_host, kv_host,
+        _launch(q, k, v, out, lse, variant, bound, qo_indptr is not None, qo_host, kv_host,
                 batch, max_qo, float(sm_scale))
     return (out, lse) if return_lse else out
 
@@ -153,41 +153,20 @@ def _output(name, t, shape, dtype, device):
     return t
 
 
-def _device_indptr(indptr, device):
-    if indptr is None:
+def _device_indptr(host: list[int] | None, device):
+    """The validated host copy, as a fresh contiguous int32 tensor on the device."""
+    if host is None:
         return None
-    return indptr.to(device=device, dtype=torch.int32, non_blocking=True)
+    t = torch.tensor(host, dtype=torch.int32)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
-def _launch(q, k, v, out, lse, variant, bound, qo_indptr, kv_indptr, qo_host, kv_host, batch,
-            max_qo, sm_scale):
-    hq, head_dim, hkv = q.shape[1], q.shape[2], k.shape[1]
-    qo_dev, kv_dev = _device_indptr(qo_indptr, q.device), _device_indptr(kv_indptr, q.device)
-    args = [("ptr", q.data_ptr()), ("ptr", k.data_ptr()), ("ptr", v.data_ptr()),
-            ("ptr", out.data_ptr()), ("ptr", lse.data_ptr()),
-            ("ptr", 0 if qo_dev is None else qo_dev.data_ptr()),
-            ("ptr", 0 if kv_dev is None else kv_dev.data_ptr()),
-            ("i32", qo_host[-1]), ("i32", kv_host[-1])]
-    if q.device.type == "cpu":
-        args.append(("i32", batch))
-    (qs0, qs1, _), (ks0, ks1, _), (vs0, vs1, _) = q.stride(), k.stride(), v.stride()
-    args += [("i32", hq), ("i32", hkv), ("i64", qs0), ("i32", qs1), ("i64", ks0), ("i32", ks1),
-             ("i64", vs0), ("i32", vs1), ("f32", sm_scale)]
-    for p in variant.params:
-        if isinstance(p, ScalarParam):
-            args.append(("f32", bound[p.name]))
-        else:
-            t = bound[p.name]
-            args.append(("ptr", t.data_ptr()))
-            args += [("i32", s) for s in t.shape]
-    dtype_tag = dtypes.tag(q.dtype)
-    if q.device.type == "cpu":
-        jit.get_kernel(variant, backend="cpu", head_dim=head_dim).launch(dtype_tag, args)
-        return
-    kind = "decode" if max_qo == 1 else "prefill"
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    kernel = jit.get_kernel(variant, backend="cuda", kind=kind, dtype_tag=dtype_tag,
-                            head_dim=head_dim, device_index=index)
-    g = hq // hkv
-    grid = (-(-max_qo * g // kernel.rows_per_cta), batch, hkv)
-    kernel.launch(grid, args, torch.cuda.current_stream(index).cuda_stream)
+def _launch(q, k, v, out, lse, variant, bound, ragged, qo_host, kv_host, batch, max_qo,
+            sm_scale):
+    launch.run_attention(
+        q, launch.KVView.ragged(k, v), out, lse, variant, bound, num_kv_heads=k.shape[1],
+        kind="decode" if max_qo == 1 else "prefill",
+        qo_indptr=_device_indptr(qo_host, q.device) if ragged else None,
+        kv_indptr=_device_indptr(kv_host, q.device) if ragged else None,
+        batch=batch, max_qo_len=max_qo, single_qo_len=qo_host[-1], single_kv_len=kv_host[-1],
+        sm_scale=sm_scale)

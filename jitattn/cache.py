@@ -9,6 +9,7 @@ link leading out of the cache is removed and rebuilt, never loaded.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -24,6 +25,18 @@ from filelock import FileLock
 from . import env
 
 log = logging.getLogger("jitattn")
+
+
+_FALLBACK: dict = {}
+
+
+def _fallback_root(reason: str) -> Path:
+    """One private temporary cache per process (and per reason), removed at exit."""
+    if reason not in _FALLBACK:
+        _FALLBACK[reason] = Path(tempfile.mkdtemp(prefix="jitattn-cache-"))
+        atexit.register(shutil.rmtree, _FALLBACK[reason], ignore_errors=True)
+        log.warning("jitattn: %s; using %s for this process", reason, _FALLBACK[reason])
+    return _FALLBACK[reason]
 
 
 def _sha256(path: Path) -> str:
@@ -44,9 +57,7 @@ class Cache:
             self._prepare(self.root)
         except OSError as e:
             self.fallback_reason = f"cache directory {self.root} is not usable ({e})"
-            self.root = Path(tempfile.mkdtemp(prefix="jitattn-cache-"))
-            log.warning("jitattn: %s; using %s for this process", self.fallback_reason,
-                        self.root)
+            self.root = _fallback_root(self.fallback_reason)
 
     @staticmethod
     def _prepare(root: Path) -> None:
@@ -149,12 +160,16 @@ class Cache:
         return out
 
     def clear(self) -> int:
-        """Remove every entry, lock and leftover staging folder; returns how many entries."""
+        """Remove every entry (under its lock) and failed build; returns how many entries.
+        Lock files and in-progress staging folders of other processes are left alone."""
         n = 0
         for p in list(self.root.iterdir()):
-            if p.is_dir() and not p.is_symlink():
-                n += not p.name.startswith(".")
-                shutil.rmtree(p, ignore_errors=True)
-            elif p.name.endswith(".lock") or p.is_symlink():
+            if p.name.startswith(".") or p.name.endswith(".lock"):
+                continue
+            if p.is_symlink():
                 p.unlink(missing_ok=True)
+            elif p.is_dir():
+                with self.lock(p.name):
+                    shutil.rmtree(p, ignore_errors=True)
+                n += not p.name.startswith("failed-")
         return n

@@ -55,7 +55,11 @@ def _cache(args) -> int:
 
 def _compile(args) -> int:
     """Render and build every variant a file defines, for the requested specialisations."""
-    module = catalog.load_file(args.variant_file)
+    try:
+        module = catalog.load_file(args.variant_file)
+    except FileNotFoundError as e:
+        print(f"jitattn compile: {e}", file=sys.stderr)
+        return 2
     variants = catalog.variants_in(module)
     if not variants:
         print(f"{args.variant_file}: defines no Variant and no make()", file=sys.stderr)

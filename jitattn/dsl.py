@@ -10,7 +10,8 @@ Each node has a kind: ``"float"`` (computed in float32 by the kernels), ``"int"`
 ``"bool"``. Python floats become compile-time constants; :func:`scalar` and :func:`tensor` are
 runtime parameters; a torch tensor captured by closure and indexed by symbols becomes a runtime
 tensor parameter (FlexAttention style), bound at call time, its values never in the cache key.
-Tensor indices are clamped into range in every backend, so a kernel never reads out of bounds.
+Tensor indices are clamped into range in every backend (dimensions of size 0 are rejected when
+binding), so a kernel never reads out of bounds.
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ class SpecError(ValueError):
 SYMBOLS = ("score", "b", "h", "q_idx", "kv_idx")
 SHAPE_SYMBOLS = ("batch_size", "num_qo_heads", "num_kv_heads", "qo_len", "kv_len")
 _IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,47}$")
-_RESERVED = set(SYMBOLS) | {"p", "q", "k", "v", "o", "lse"}
+# names taken by attention()'s own keywords; generated C++ identifiers are prefixed (c_name)
+_RESERVED = set(SYMBOLS) | {"q", "k", "v", "out", "lse", "sm_scale", "return_lse", "qo_indptr",
+                            "kv_indptr", "variant"}
+
+
+def c_name(name: str) -> str:
+    """The C++ identifier of a parameter: prefixed, so that it never meets generated code."""
+    return f"jap_{name}"
 
 
 def _check_name(name: str, what: str) -> None:
@@ -64,7 +72,13 @@ class TensorParam:
 
     @property
     def signature(self) -> str:
+        """Name, dtype and shape: what makes two declarations the same parameter."""
         return f"{self.name}:{dtypes.tag(self.dtype)}[{','.join(map(str, self.shape))}]"
+
+    @property
+    def code_signature(self) -> str:
+        """What generated code depends on: name, dtype and rank (sizes are runtime arguments)."""
+        return f"{self.name}:{dtypes.tag(self.dtype)}:rank{len(self.shape)}"
 
     def __getitem__(self, idx) -> "Expr":
         idx = idx if isinstance(idx, tuple) else (idx,)
@@ -201,12 +215,14 @@ def _lift(x) -> Expr:
     if isinstance(x, (bool, np.bool_)):
         return Expr("const", (bool(x),), "bool")
     if isinstance(x, (int, np.integer)):
-        if not -(2**31) <= int(x) < 2**31:
-            raise SpecError(f"integer constant {x} does not fit in int32")
+        if not -(2**62) <= int(x) < 2**62:
+            raise SpecError(f"integer constant {x} does not fit in int64")
         return Expr("const", (int(x),), "int")
     if isinstance(x, (float, np.floating)):
         if math.isnan(x):
             raise SpecError("NaN constant in a variant expression")
+        if math.isfinite(x) and abs(x) > float(np.finfo(np.float32).max):
+            raise SpecError(f"constant {x!r} does not fit in float32 (the kernels' float type)")
         return Expr("const", (float(np.float32(x)),), "float")
     raise SpecError(f"cannot use {type(x).__name__} {x!r} in a variant expression; expected a "
                     f"number, a symbol, ja.scalar(...) or an indexed ja.tensor(...)")
@@ -315,35 +331,43 @@ def trace(fn, kind: str) -> Traced:
     names = SYMBOLS if kind == "score_mod" else SYMBOLS[1:]
     if not callable(fn):
         raise SpecError(f"{kind} must be callable, got {type(fn).__name__}")
+    label = f"{kind} {getattr(fn, '__name__', fn)!r}"
     try:
         inspect.signature(fn).bind(*names)
-    except TypeError as e:
-        raise SpecError(f"{kind} {getattr(fn, '__name__', fn)!r} must accept {len(names)} "
-                        f"positional arguments ({', '.join(names)}): {e}") from None
+    except TypeError:
+        try:
+            params = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            params = []
+        raise SpecError(f"{label} must accept {len(names)} positional arguments "
+                        f"({', '.join(names)}); it takes ({', '.join(params)})") from None
     except ValueError:
         pass  # builtins without signatures: try the call
     args = [Expr("sym", (n,), "float" if n == "score" else "int") for n in names]
     outer, _TRACER = _TRACER, _Tracer(prefix=kind.split("_")[0] + "_captured")
     try:
+        src = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        src = "<unknown>"
+    try:
         out = fn(*args)
-    except SpecError:
-        raise
+    except SpecError as e:
+        raise SpecError(f"{label} (defined at {src}): {e}") from None
+    except RecursionError:
+        raise SpecError(f"{label} (defined at {src}): expression too deeply nested") from None
     except Exception as e:  # noqa: BLE001 -- any failure inside user code is a spec problem
-        raise SpecError(f"{kind} {getattr(fn, '__name__', fn)!r} could not be traced: "
+        raise SpecError(f"{label} (defined at {src}) could not be traced: "
                         f"{type(e).__name__}: {e}. Only arithmetic, comparisons, &|~ and the "
                         f"ja.* functions are supported") from e
     finally:
         _TRACER = outer
     out = _lift(out)
     if kind == "mask_mod" and out.kind != "bool":
-        raise SpecError(f"mask_mod must return a bool expression (a comparison), got {out.kind}")
+        raise SpecError(f"{label}: a mask_mod must return a bool expression (a comparison), "
+                        f"got {out.kind}")
     if kind == "score_mod" and out.kind == "bool":
-        raise SpecError("score_mod must return a number, got a bool expression; "
+        raise SpecError(f"{label}: a score_mod must return a number, got a bool expression; "
                         "use mask_mod for visibility")
-    try:
-        src = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
-    except (OSError, TypeError):
-        src = "<unknown>"
     return Traced(out, getattr(fn, "__name__", "mod"), src)
 
 
@@ -389,19 +413,18 @@ def emit_cpp(e: Expr) -> str:
         v = a[0]
         if isinstance(v, bool):
             return "true" if v else "false"
-        return f"({v})" if isinstance(v, int) else _float_literal(v)
-    if op == "sym":
-        return a[0]
+        return f"({v}LL)" if isinstance(v, int) else _float_literal(v)
+    if op == "sym":  # integer symbols are widened: index arithmetic runs in 64 bits
+        return "score" if a[0] == "score" else f"((long long){a[0]})"
     if op == "scalar":
-        return f"p.{a[0].name}"
+        return f"p.{c_name(a[0].name)}"
     if op == "index":
-        t, idx = a[0], a[1:]
-        lin = f"ja_clampi({emit_cpp(idx[0])}, p.{t.name}_d0)"
+        t, idx = c_name(a[0].name), a[1:]
+        lin = f"ja_clampi({emit_cpp(idx[0])}, p.{t}_d0)"
         for i in range(1, len(idx)):
-            lin = (f"({lin} * (long long)p.{t.name}_d{i} + "
-                   f"ja_clampi({emit_cpp(idx[i])}, p.{t.name}_d{i}))")
-        read = f"p.{t.name}[{lin}]"
-        return {"float": f"ja_to_float({read})", "int": f"((int){read})",
+            lin = f"({lin} * (long long)p.{t}_d{i} + ja_clampi({emit_cpp(idx[i])}, p.{t}_d{i}))"
+        read = f"p.{t}[{lin}]"
+        return {"float": f"ja_to_float({read})", "int": f"((long long){read})",
                 "bool": f"({read} != 0)"}[e.kind]
     x = [emit_cpp(y) for y in a]
     if op == "neg":
@@ -466,7 +489,7 @@ def evaluate(e: Expr, env: dict, params: dict):
     if op in ("tanh", "exp", "log", "sigmoid"):
         return getattr(torch, op)(T(x[0], dtype=torch.float64).double())
     if op == "abs":
-        return T(x[0]).abs()
+        return T(x[0]).long().abs() if e.kind == "int" else T(x[0]).abs()
     if op in ("min", "max"):
         f = torch.minimum if op == "min" else torch.maximum
         return f(*_promote(e, x))

@@ -52,7 +52,8 @@ class _Driver:
         vp, u, i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
         sig = {"cuInit": [u], "cuDeviceGet": [ctypes.POINTER(i), i],
                "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), i],
-               "cuCtxGetCurrent": [ctypes.POINTER(vp)], "cuCtxSetCurrent": [vp],
+               "cuCtxGetCurrent": [ctypes.POINTER(vp)], "cuCtxPushCurrent_v2": [vp],
+               "cuCtxPopCurrent_v2": [ctypes.POINTER(vp)],
                "cuModuleLoad": [ctypes.POINTER(vp), ctypes.c_char_p],
                "cuModuleGetFunction": [ctypes.POINTER(vp), vp, ctypes.c_char_p],
                "cuFuncSetAttribute": [vp, i, i],
@@ -72,8 +73,7 @@ class _Driver:
             raise RuntimeError(f"{what} failed: CUDA error {rc} "
                                f"({(msg.value or b'unknown').decode()})")
 
-    def make_current(self, device_index: int) -> None:
-        """Make the device's primary context current on this thread (a no-op when it is)."""
+    def primary_context(self, device_index: int) -> int:
         ctx = self.contexts.get(device_index)
         if ctx is None:
             dev, handle = ctypes.c_int(), ctypes.c_void_p()
@@ -81,10 +81,20 @@ class _Driver:
             self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(handle), dev),
                        "cuDevicePrimaryCtxRetain")
             ctx = self.contexts[device_index] = handle.value
+        return ctx
+
+    def call_in_context(self, device_index: int, fn):
+        """Run fn() with the device's primary context current, restoring the caller's after."""
+        ctx = self.primary_context(device_index)
         current = ctypes.c_void_p()
         self.lib.cuCtxGetCurrent(ctypes.byref(current))
-        if current.value != ctx:
-            self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        if current.value == ctx:
+            return fn()
+        self.check(self.lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+        try:
+            return fn()
+        finally:
+            self.lib.cuCtxPopCurrent_v2(ctypes.byref(current))
 
 
 _DRIVER: _Driver | None = None
@@ -120,9 +130,9 @@ class CudaKernel:
             self._params = _ParamBuffer(kinds)
         params = self._params.pack([v for _, v in args])
         drv = _driver()
-        drv.make_current(self.device_index)
-        rc = drv.lib.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], self.threads, 1,
-                                    1, self.smem_bytes, stream_ptr, params, None)
+        rc = drv.call_in_context(self.device_index, lambda: drv.lib.cuLaunchKernel(
+            self.function, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem_bytes,
+            stream_ptr, params, None))
         if rc != 0:
             drv.check(rc, f"cuLaunchKernel (grid {grid}, {self.threads} threads, "
                           f"{self.smem_bytes} B shared memory)")
@@ -146,16 +156,18 @@ def load_cuda(path: Path, src: RenderedSource, device_index: int) -> CudaKernel:
     """Load a cubin into device ``device_index``'s primary context; raise the kernel's dynamic
     shared-memory limit when it needs more than the default 48 KiB."""
     drv = _driver()
-    drv.make_current(device_index)
     module, function = ctypes.c_void_p(), ctypes.c_void_p()
-    drv.check(drv.lib.cuModuleLoad(ctypes.byref(module), str(path).encode()),
-              f"cuModuleLoad({path})")
-    drv.check(drv.lib.cuModuleGetFunction(ctypes.byref(function), module,
-                                          src.entries[0].encode()), "cuModuleGetFunction")
     smem = src.tiles.smem_bytes(src.kind, src.head_dim)
-    if smem > 48 * 1024:
-        drv.check(drv.lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED, smem),
-                  "cuFuncSetAttribute(max dynamic shared memory)")
+
+    def load():
+        drv.check(drv.lib.cuModuleLoad(ctypes.byref(module), str(path).encode()),
+                  f"cuModuleLoad({path})")
+        drv.check(drv.lib.cuModuleGetFunction(ctypes.byref(function), module,
+                                              src.entries[0].encode()), "cuModuleGetFunction")
+        if smem > 48 * 1024:
+            drv.check(drv.lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED, smem),
+                      f"cuFuncSetAttribute(max dynamic shared memory = {smem} B)")
+    drv.call_in_context(device_index, load)
     return CudaKernel(function.value, device_index, threads=32 * src.tiles.num_warps,
                       smem_bytes=smem, rows_per_cta=src.tiles.rows_per_cta(src.kind),
                       kind=src.kind)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import __version__, dtypes, env
+from . import __version__, dsl, dtypes, env
 from .dsl import ScalarParam
 from .spec import Variant
 
@@ -94,16 +94,17 @@ def _param_decls(variant: Variant, backend: str) -> tuple[list, list]:
     """C declarations (one per kernel argument) and the matching argument names."""
     decls, names = [], []
     for p in variant.params:
+        c = dsl.c_name(p.name)
         if isinstance(p, ScalarParam):
-            decls.append(f"float {p.name}")
-            names.append(p.name)
+            decls.append(f"float {c}")
+            names.append(c)
             continue
         ctype = dtypes.CTYPE[backend][dtypes.tag(p.dtype)]
-        decls.append(f"const {ctype}* {p.name}")
-        names.append(p.name)
+        decls.append(f"const {ctype}* {c}")
+        names.append(c)
         for i in range(len(p.shape)):
-            decls.append(f"int {p.name}_d{i}")
-            names.append(f"{p.name}_d{i}")
+            decls.append(f"int {c}_d{i}")
+            names.append(f"{c}_d{i}")
     return decls, names
 
 
@@ -115,9 +116,7 @@ def render_variant(variant: Variant, *, backend: str, head_dim: int) -> str:
     return _environment().get_template("common/variant.h.j2").render(
         variant=variant, version=__version__, param_fields=decls,
         score_expr=variant.score.cpp if variant.score else "score",
-        score_source=variant.score.source if variant.score else "(none)",
         mask_expr=variant.mask_pred.cpp if variant.mask_pred else "true",
-        mask_source=variant.mask_pred.source if variant.mask_pred else "(none)",
         rope_mode=0 if rope is None else (1 if rope.style == "neox" else 2),
         rope_inv_freq=freqs, head_dim=head_dim)
 

@@ -88,7 +88,7 @@ class RoPE:
 
 @dataclass(frozen=True, eq=False)
 class Variant:
-    """An attention variant. See DESIGN.md section 1.
+    """An attention variant: what the attention computes (dtypes and shapes come at call time).
 
     name: identifier used in cache names ([A-Za-z0-9][A-Za-z0-9_.-]*).
     mask: ``"none"`` or ``"causal"`` (bottom-right aligned: query i of a request sees keys
@@ -150,7 +150,7 @@ class Variant:
             "name": self.name, "mask": self.mask, "window_left": self.window_left,
             "score_mod": self._score.cpp if self._score else None,
             "mask_mod": self._mask.cpp if self._mask else None,
-            "params": [p.signature if isinstance(p, TensorParam) else f"{p.name}:scalar"
+            "params": [p.code_signature if isinstance(p, TensorParam) else f"{p.name}:scalar"
                        for p in self._params],
             "rope": repr(self.pos_encoding), "reduction": self.reduction,
         }, sort_keys=True)
@@ -210,6 +210,8 @@ class Variant:
                 if isinstance(val, bool) or not isinstance(val, (int, float)):
                     raise TypeError(f"parameter {p.name!r} must be a Python number, got "
                                     f"{type(val).__name__}")
+                if math.isnan(val):
+                    raise ValueError(f"parameter {p.name!r} is NaN")
                 bound[p.name] = float(val)
                 continue
             t = p.captured if p.captured is not None else params[p.name]
@@ -221,6 +223,9 @@ class Variant:
             if tuple(t.shape) != want:
                 raise ValueError(f"{what} {p.name!r} has shape {tuple(t.shape)}, expected "
                                  f"{want} (declared {p.shape})")
+            if 0 in t.shape:
+                raise ValueError(f"{what} {p.name!r} has an empty dimension (shape "
+                                 f"{tuple(t.shape)})")
             if t.dtype != p.dtype:
                 raise TypeError(f"{what} {p.name!r} has dtype {t.dtype}, expected {p.dtype}")
             if t.device != device:

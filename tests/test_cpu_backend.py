@@ -83,3 +83,36 @@ def test_empty_query_returns_empty():
     q = torch.randn(0, 4, 64, dtype=torch.float16)
     k = torch.randn(10, 4, 64, dtype=torch.float16)
     assert ja.attention(q, k, k, variant).shape == (0, 4, 64)
+
+
+def test_score_mod_returning_minus_inf_masks_like_flexattention():
+    def only_even_keys(score, b, h, q_idx, kv_idx):
+        return ja.where(kv_idx % 2 == 0, score, -math.inf)
+    variant = ja.Variant("neg_inf", mask="causal", score_mod=only_even_keys)
+    q, k, v, _, _ = make_batch([9], [9], 4, 4, 64, torch.float16, "cpu", seed=4)
+    out, lse = check(variant, {}, q, k, v)
+    # row 0 sees key 0 only; every row has a visible even key: all finite
+    assert torch.isfinite(lse).all()
+    all_masked = ja.Variant("all_neg_inf", score_mod=lambda s, b, h, qi, ki: s * 0 - math.inf)
+    out, lse = ja.attention(q, k, v, all_masked, return_lse=True)
+    assert (out == 0).all() and (lse == -math.inf).all()
+
+
+def test_strided_indptr_view_is_read_correctly():
+    variant = ja.Variant("plain", mask="causal")
+    q, k, v, qo, kv = make_batch([3, 5], [4, 6], 4, 4, 64, torch.float16, "cpu", seed=9)
+    wide_qo = torch.stack([qo, torch.full_like(qo, 999)], 1).reshape(-1)[::2]
+    wide_kv = torch.stack([kv, torch.full_like(kv, 999)], 1).reshape(-1)[::2]
+    assert not wide_qo.is_contiguous()
+    check(variant, {}, q, k, v, wide_qo, wide_kv)
+
+
+def test_cache_key_ignores_where_the_mod_is_written():
+    first = ja.Variant("where", score_mod=lambda s, b, h, qi, ki: s * 0.5)
+
+    def elsewhere(s, b, h, qi, ki):
+        return s * 0.5
+    second = ja.Variant("where", score_mod=elsewhere)
+    from jitattn import render
+    assert render.render_cpu(first, head_dim=64).code == \
+        render.render_cpu(second, head_dim=64).code

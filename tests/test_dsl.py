@@ -29,7 +29,7 @@ def test_scalar_and_tensor_params_are_collected_once():
     t = trace_score(mod)
     names = [p.name for p in dsl.params_of(t.expr)]
     assert names == ["cap", "slopes"]
-    assert "ja_clampi(h, p.slopes_d0)" in t.cpp
+    assert "ja_clampi(((long long)h), p.jap_slopes_d0)" in t.cpp
 
 
 def test_python_semantics_of_floordiv_and_mod_match_in_cpp_and_torch():
@@ -124,3 +124,30 @@ def test_same_name_for_two_params_is_rejected():
     a, b2 = ja.tensor("x", (4,), "float32"), ja.tensor("x", (8,), "float32")
     with pytest.raises(SpecError, match="two different"):
         ja.Variant("clash", score_mod=lambda s, b, h, q, k: s + a[h] + b2[h])
+
+
+def test_errors_name_the_function_and_its_arguments():
+    def my_mod(score, b, h):
+        return score
+    with pytest.raises(SpecError, match=r"score_mod 'my_mod' .*it takes \(score, b, h\)"):
+        trace_score(my_mod)
+
+    def branchy(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx if q_idx > 3 else True
+    with pytest.raises(SpecError, match=r"mask_mod 'branchy' \(defined at .*test_dsl.py:\d+\)"):
+        dsl.trace(branchy, "mask_mod")
+
+
+def test_float32_overflow_constant_is_rejected():
+    with pytest.raises(SpecError, match="float32"):
+        trace_score(lambda s, b, h, q, k: s * 1e300)
+
+
+def test_int_expressions_are_64_bit_in_cpp_and_torch():
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + ((q_idx + 100000) * (kv_idx + 100000)) % 7
+    t = trace_score(mod)
+    assert "(long long)q_idx" in t.cpp and "(100000LL)" in t.cpp
+    env = dict(score=torch.zeros(1, dtype=torch.float64), b=0, h=0, q_idx=torch.tensor([5]),
+               kv_idx=torch.tensor([9]))
+    assert float(dsl.evaluate(t.expr, env, {})) == float((100005 * 100009) % 7)

@@ -88,3 +88,20 @@ def test_alibi_slopes_non_power_of_two():
     s8, s12 = ja.alibi_slopes(8), ja.alibi_slopes(12)
     assert torch.allclose(s8, torch.tensor([2.0 ** (-i) for i in range(1, 9)]))
     assert torch.equal(s12[:8], s8) and len(set(s12.tolist())) == 12
+
+
+def test_nan_scalar_and_empty_tensor_are_rejected():
+    cap = ja.scalar("cap")
+    v = ja.Variant("cap", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
+    with pytest.raises(ValueError, match="NaN"):
+        v.bind({"cap": float("nan")}, device=torch.device("cpu"), sizes=SIZES)
+    table = ja.tensor("table", ("kv_len",), "float32")
+    w = ja.Variant("t", score_mod=lambda s, b, h, q, k: s + table[k])
+    with pytest.raises(ValueError, match="empty dimension"):
+        w.bind({"table": torch.ones(0)}, device=torch.device("cpu"),
+               sizes={**SIZES, "kv_len": 0})
+
+
+def test_param_names_reserved_for_attention_keywords():
+    with pytest.raises(SpecError, match="sm_scale"):
+        ja.scalar("sm_scale")

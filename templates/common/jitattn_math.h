@@ -22,19 +22,21 @@ JA_HD float ja_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 JA_HD float ja_pow(float a, float b) { return powf(a, b); }
 JA_HD float ja_floorf(float x) { return floorf(x); }
 JA_HD float ja_fmod(float a, float b) { return a - b * floorf(a / b); }  // Python float %
-JA_HD int ja_abs(int x) { return x < 0 ? -x : x; }
+// Integer expressions of the DSL are 64-bit (symbols are widened when emitted).
+typedef long long ja_int;
+JA_HD ja_int ja_abs(ja_int x) { return x < 0 ? -x : x; }
 JA_HD float ja_abs(float x) { return fabsf(x); }
-JA_HD int ja_min(int a, int b) { return a < b ? a : b; }
-JA_HD int ja_max(int a, int b) { return a > b ? a : b; }
+JA_HD ja_int ja_min(ja_int a, ja_int b) { return a < b ? a : b; }
+JA_HD ja_int ja_max(ja_int a, ja_int b) { return a > b ? a : b; }
 JA_HD float ja_min(float a, float b) { return fminf(a, b); }
 JA_HD float ja_max(float a, float b) { return fmaxf(a, b); }
 // Python floor division / modulo on ints; division by zero gives 0 instead of a trap.
-JA_HD int ja_floordiv(int a, int b) {
+JA_HD ja_int ja_floordiv(ja_int a, ja_int b) {
   if (b == 0) return 0;
-  int q = a / b;
+  const ja_int q = a / b;
   return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
-JA_HD int ja_mod(int a, int b) { return b == 0 ? 0 : a - ja_floordiv(a, b) * b; }
+JA_HD ja_int ja_mod(ja_int a, ja_int b) { return b == 0 ? 0 : a - ja_floordiv(a, b) * b; }
 // Tensor parameter indices are clamped into [0, size - 1]: a kernel never reads out of bounds.
 JA_HD long long ja_clampi(long long i, int size) { return i < 0 ? 0 : (i >= size ? size - 1 : i); }
 JA_HD float ja_to_float(float x) { return x; }

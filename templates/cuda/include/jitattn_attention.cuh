@@ -30,17 +30,42 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// Where one request's rows live. Offsets are token indices into q/o and k/v.
+// Where one request's rows live: q_start/q_len index q and out; kv_start is the request's first
+// row of k/v (ragged) or its first entry in kv_indices (paged).
 struct Request {
   int q_start, q_len, kv_start, kv_len;
 };
 
-__device__ __forceinline__ Request get_request(const int* qo_indptr, const int* kv_indptr,
-                                               int single_qo_len, int single_kv_len, int b) {
+// From a plan's request table ([batch][4]: q_start, q_len, kv_len, kv_start), from indptrs, or
+// for a single request from the lengths.
+__device__ __forceinline__ Request get_request(const int* requests, const int* qo_indptr,
+                                               const int* kv_indptr, int single_qo_len,
+                                               int single_kv_len, int b) {
+  if (requests != nullptr) {
+    const int* r = requests + 4 * b;
+    return {r[0], r[1], r[3], r[2]};
+  }
   if (qo_indptr == nullptr) return {0, single_qo_len, 0, single_kv_len};
   return {qo_indptr[b], qo_indptr[b + 1] - qo_indptr[b], kv_indptr[b],
           kv_indptr[b + 1] - kv_indptr[b]};
 }
+
+// Element offset of logical key j of a request in a K or V cache. Paged: the page table maps j to
+// (kv_indices[kv_start + j / page_size], j % page_size) (FlashInfer paper, section 3.1); ragged
+// caches are the special case page_size 1 with no table.
+struct KVLayout {
+  const int* kv_indices;  // nullptr: ragged
+  int page_size;
+  long long stride_page;  // elements between pages (ragged: between tokens)
+  int stride_slot;        // elements between slots of a page (ragged: unused)
+  int stride_h;           // elements between kv heads
+  __device__ __forceinline__ long long offset(int kv_start, int j, int hk) const {
+    if (kv_indices == nullptr) return (long long)(kv_start + j) * stride_page + (long long)hk * stride_h;
+    const int page = kv_indices[kv_start + j / page_size];
+    return (long long)page * stride_page + (long long)(j % page_size) * stride_slot +
+           (long long)hk * stride_h;
+  }
+};
 
 // Rotate one pair (x, y) by angle pos * inv_freq (RoFormer eq. 34).
 __device__ __forceinline__ void rope_pair(float& x, float& y, int pos, float inv_freq) {
@@ -56,24 +81,22 @@ __device__ __forceinline__ int2 rope_pair_index(int i) {
   return Variant::ROPE == 1 ? make_int2(i, i + HEAD_DIM / 2) : make_int2(2 * i, 2 * i + 1);
 }
 
-// Copy rows [tile_start, tile_end) of one KV head into shared memory (zeros past tile_end, so
-// that p * v never meets garbage) and apply RoPE to K. Threads `tid` of `nthreads` cooperate.
+// Copy keys [tile_start, tile_end) of one KV head into shared memory (zeros past tile_end, so
+// that p * v never meets garbage). Threads `tid` of `nthreads` cooperate; 16-byte global loads.
 template <typename DType, int HEAD_DIM>
 __device__ __forceinline__ void load_kv_tile(DType* k_s, DType* v_s, const DType* k,
-                                             const DType* v, long long k_stride_n,
-                                             int k_stride_h, long long v_stride_n,
-                                             int v_stride_h, int kv_start, int hk,
+                                             const DType* v, const KVLayout& kl,
+                                             const KVLayout& vl, int kv_start, int hk,
                                              int tile_start, int tile_end, int tid,
                                              int nthreads) {
   constexpr int ROW = HEAD_DIM + SMEM_PAD;
-  constexpr int VEC = 8;  // 16-byte global loads
+  constexpr int VEC = 8;
   for (int i = tid; i < KV_TILE * HEAD_DIM / VEC; i += nthreads) {
     const int j = i / (HEAD_DIM / VEC), c = (i % (HEAD_DIM / VEC)) * VEC;
     uint4 kk = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
     if (tile_start + j < tile_end) {
-      const long long t = kv_start + tile_start + j;
-      kk = *reinterpret_cast<const uint4*>(k + t * k_stride_n + (long long)hk * k_stride_h + c);
-      vv = *reinterpret_cast<const uint4*>(v + t * v_stride_n + (long long)hk * v_stride_h + c);
+      kk = *reinterpret_cast<const uint4*>(k + kl.offset(kv_start, tile_start + j, hk) + c);
+      vv = *reinterpret_cast<const uint4*>(v + vl.offset(kv_start, tile_start + j, hk) + c);
     }
     unsigned* kd = reinterpret_cast<unsigned*>(k_s + j * ROW + c);
     unsigned* vd = reinterpret_cast<unsigned*>(v_s + j * ROW + c);
@@ -184,25 +207,26 @@ __device__ __forceinline__ void update_rows(RowState<ROWS, HEAD_DIM>& st, const 
   }
 }
 
-// Normalise and store one row: o = acc / l (softmax) or acc (sigmoid); lse in natural log.
-// A row that saw no key gets o = 0 and lse = -inf.
-template <typename DType, int HEAD_DIM>
-__device__ __forceinline__ void store_row(DType* o, float* lse, long long token, int h,
-                                          int num_qo_heads, float m, float l,
+__device__ __forceinline__ void store2(half* p, float2 x) {
+  *reinterpret_cast<half2*>(p) = Pair<half>::from_float2(x);
+}
+__device__ __forceinline__ void store2(__nv_bfloat16* p, float2 x) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = Pair<__nv_bfloat16>::from_float2(x);
+}
+__device__ __forceinline__ void store2(float* p, float2 x) { *reinterpret_cast<float2*>(p) = x; }
+
+// Normalise and store one row at out_row (HEAD_DIM elements) and *lse: softmax o = acc / l,
+// lse = m + log l; sigmoid o = acc, lse = log l (natural log). A row that saw no key gets o = 0,
+// lse = -inf. OutT is the output dtype, or float for split-KV partial states.
+template <int HEAD_DIM, typename OutT>
+__device__ __forceinline__ void store_row(OutT* out_row, float* lse, float m, float l,
                                           const float2* acc, int lane) {
-  using P = Pair<DType>;
-  using T2 = typename P::T2;
   const bool any = l > 0.f;
   const float inv = Variant::SIGMOID ? 1.f : (any ? 1.f / l : 0.f);
-  T2* out = reinterpret_cast<T2*>(o + (token * num_qo_heads + h) * HEAD_DIM);
 #pragma unroll
-  for (int t = 0; t < HEAD_DIM / 64; ++t) {
-    out[lane + 32 * t] = P::from_float2(make_float2(acc[t].x * inv, acc[t].y * inv));
-  }
-  if (lane == 0) {
-    const float row_lse = Variant::SIGMOID ? logf(l) : m + logf(l);
-    lse[token * num_qo_heads + h] = any ? row_lse : -JA_INF;
-  }
+  for (int t = 0; t < HEAD_DIM / 64; ++t)
+    store2(out_row + 2 * (lane + 32 * t), make_float2(acc[t].x * inv, acc[t].y * inv));
+  if (lane == 0) *lse = any ? (Variant::SIGMOID ? logf(l) : m + logf(l)) : -JA_INF;
 }
 
 }  // namespace ja

@@ -1,0 +1,117 @@
+"""Tensors (+ an optional plan on the device) -> the kernels' argument list, and the launch.
+
+One argument list serves the CUDA kernels and the CPU backend (templates/cuda/attention.cu.j2,
+templates/cpu/attention.cpp.j2). Ragged K/V are passed as a paged layout with page_size 1 and no
+page table; paged caches pass their page table and strides (NHD and HND differ only in strides).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import dtypes, jit
+from .dsl import ScalarParam
+
+
+@dataclass
+class KVView:
+    """How the kernels address K and V: strides in elements and an optional page table."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_indices: torch.Tensor | None   # int32 on the device, or None for ragged
+    page_size: int
+    k_strides: tuple                  # (page, slot, head)
+    v_strides: tuple
+
+    @staticmethod
+    def ragged(k: torch.Tensor, v: torch.Tensor) -> "KVView":
+        """k, v: [total_kv, num_kv_heads, head_dim]."""
+        return KVView(k, v, None, 1, (k.stride(0), 0, k.stride(1)), (v.stride(0), 0, v.stride(1)))
+
+    @staticmethod
+    def paged(k_cache, v_cache, kv_indices, layout: str) -> "KVView":
+        """NHD caches are [num_pages, page_size, Hkv, D], HND [num_pages, Hkv, page_size, D]."""
+        slot, head = (1, 2) if layout == "NHD" else (2, 1)
+        page_size = k_cache.shape[slot]
+        return KVView(k_cache, v_cache, kv_indices, page_size,
+                      (k_cache.stride(0), k_cache.stride(slot), k_cache.stride(head)),
+                      (v_cache.stride(0), v_cache.stride(slot), v_cache.stride(head)))
+
+
+@dataclass
+class DevicePlan:
+    """A plan's arrays on the device (see plan.Plan) and the partial-state buffers."""
+
+    requests: torch.Tensor
+    items: torch.Tensor
+    cta_indptr: torch.Tensor
+    partial_o: torch.Tensor
+    partial_lse: torch.Tensor
+    num_items: int
+    num_ctas: int
+    rows_per_cta: int
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def attention_args(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
+                   qo_indptr=None, kv_indptr=None, plan: DevicePlan | None = None, batch: int,
+                   single_qo_len: int, single_kv_len: int, sm_scale: float) -> list:
+    """The typed argument list of the attention kernels (both backends)."""
+    qs0, qs1, _ = q.stride()
+    args = [("ptr", q.data_ptr()), ("ptr", kv.k.data_ptr()), ("ptr", kv.v.data_ptr()),
+            ("ptr", out.data_ptr()), ("ptr", lse.data_ptr()),
+            ("ptr", _ptr(qo_indptr)), ("ptr", _ptr(kv_indptr)),
+            ("ptr", _ptr(plan and plan.requests)), ("ptr", _ptr(plan and plan.items)),
+            ("ptr", _ptr(plan and plan.cta_indptr)), ("ptr", _ptr(plan and plan.partial_o)),
+            ("ptr", _ptr(plan and plan.partial_lse)),
+            ("i32", single_qo_len), ("i32", single_kv_len), ("i32", batch),
+            ("i32", plan.num_items if plan else 0), ("i32", plan.rows_per_cta if plan else 0),
+            ("i32", q.shape[1]), ("i32", num_kv_heads), ("i64", qs0), ("i32", qs1),
+            ("ptr", _ptr(kv.kv_indices)), ("i32", kv.page_size),
+            ("i64", kv.k_strides[0]), ("i32", kv.k_strides[1]), ("i32", kv.k_strides[2]),
+            ("i64", kv.v_strides[0]), ("i32", kv.v_strides[1]), ("i32", kv.v_strides[2]),
+            ("f32", sm_scale)]
+    for p in variant.params:
+        if isinstance(p, ScalarParam):
+            args.append(("f32", bound[p.name]))
+        else:
+            t = bound[p.name]
+            args.append(("ptr", t.data_ptr()))
+            args += [("i32", s) for s in t.shape]
+    return args
+
+
+def device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int, kind: str,
+                  qo_indptr=None, kv_indptr=None, plan: DevicePlan | None = None, batch: int,
+                  max_qo_len: int, single_qo_len: int, single_kv_len: int,
+                  sm_scale: float) -> None:
+    """Launch one attention kernel: the CPU backend for CPU tensors, else the CUDA kernel of
+    ``kind`` ("prefill" | "decode"), on a persistent grid of plan.num_ctas CTAs when planned."""
+    head_dim = q.shape[2]
+    args = attention_args(q, kv, out, lse, variant, bound, num_kv_heads=num_kv_heads,
+                          qo_indptr=qo_indptr, kv_indptr=kv_indptr, plan=plan, batch=batch,
+                          single_qo_len=single_qo_len, single_kv_len=single_kv_len,
+                          sm_scale=sm_scale)
+    tag = dtypes.tag(q.dtype)
+    if q.device.type == "cpu":
+        jit.get_kernel(variant, backend="cpu", head_dim=head_dim).launch(tag, args)
+        return
+    index = device_index(q)
+    kernel = jit.get_kernel(variant, backend="cuda", kind=kind, dtype_tag=tag,
+                            head_dim=head_dim, device_index=index)
+    if plan is not None:
+        grid = (plan.num_ctas, 1, 1)
+    else:
+        g = q.shape[1] // num_kv_heads
+        grid = (-(-max_qo_len * g // kernel.rows_per_cta), batch, num_kv_heads)
+    kernel.launch(grid, args, torch.cuda.current_stream(index).cuda_stream)

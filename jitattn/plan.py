@@ -1,0 +1,184 @@
+"""indptrs / page tables -> a frozen Plan: load-balanced work items and the merge map. Host only.
+
+The scheduler is FlashInfer's (Ye et al., "FlashInfer", arXiv 2501.01005, section 3.3; see
+SEEDS_DIGEST.md): a query tile is ``rows_per_cta`` packed rows (GQA head-group fusion: packed row
+r of request b is query r // g of kv head hk, head hk * g + r % g). The work is
+W = sum over tiles of the KV length each tile can see (causal and window ranges applied), the KV
+chunk cap is L = max(1, ceil(W / C)) with C resident CTAs, every tile's KV range is cut into
+chunks of at most L keys (rounded up to whole 32-key tiles), chunks are sorted by length,
+longest first with stable ids for ties, and each goes to the least-loaded CTA with cost
+alpha * rows + beta * len. A tile cut into several chunks writes partial states that a merge
+kernel combines in chunk order; nothing uses atomics, so the same plan gives bit-identical
+outputs run after run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+KV_TILE = 32          # keys per shared-memory tile in the kernels
+ITEM_FIELDS = 8       # int32 per work item on the device
+REQUEST_FIELDS = 4    # int32 per request on the device: q_start, q_len, kv_len, kv_start
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A schedule for one batch. Arrays are int32 numpy, laid out as the kernels read them.
+
+    requests: [batch, 4] (q_start, q_len, kv_len, kv_start); kv_start is the request's first
+        entry in kv_indices (paged) or its first row of k/v (ragged).
+    items: [num_items, 8] (request, kv_head, row0, kv_lo, kv_hi, partial_row, 0, 0), grouped by
+        CTA; partial_row is -1 when the item writes out/lse directly, else the first of
+        ``rows_per_cta`` partial-state rows it owns.
+    cta_indptr: [num_ctas + 1] offsets of each CTA's items in ``items``.
+    merge_indptr: [num_merged + 1]; merge_rows: [num_merged] output rows (token * Hq + head);
+        merge_slots: partial rows to merge for each, in KV order.
+    item_cost: [num_items] predicted cost (alpha * rows + beta * keys) of each item.
+    """
+
+    requests: np.ndarray
+    items: np.ndarray
+    cta_indptr: np.ndarray
+    merge_indptr: np.ndarray
+    merge_rows: np.ndarray
+    merge_slots: np.ndarray
+    item_cost: np.ndarray
+    num_ctas: int
+    rows_per_cta: int
+    group_size: int
+    num_partial_rows: int
+    chunk_cap: int
+
+    @property
+    def num_items(self) -> int:
+        return len(self.items)
+
+    @property
+    def cta_load(self) -> np.ndarray:
+        """Predicted cost per CTA."""
+        return np.add.reduceat(np.append(self.item_cost, 0.0), self.cta_indptr[:-1]) \
+            * (np.diff(self.cta_indptr) > 0)
+
+    @property
+    def lower_bound(self) -> float:
+        """max(sum of item costs / C, largest item): no schedule of these items does better."""
+        if self.num_items == 0:
+            return 0.0
+        return float(max(self.item_cost.sum() / self.num_ctas, self.item_cost.max()))
+
+    def describe(self) -> str:
+        """A readable summary: items per CTA, predicted makespan against the lower bound."""
+        load = self.cta_load
+        counts = np.diff(self.cta_indptr)
+        split = int((self.items[:, 5] >= 0).sum()) if self.num_items else 0
+        lines = [
+            f"Plan: {len(self.requests)} requests, {self.num_items} work items on "
+            f"{self.num_ctas} CTAs ({self.rows_per_cta} packed rows per item, GQA group "
+            f"{self.group_size}), KV chunk cap {self.chunk_cap} keys",
+            f"  predicted makespan {load.max() if len(load) else 0:.0f} vs lower bound "
+            f"{self.lower_bound:.0f} (cost units: alpha*rows + beta*keys)",
+            f"  items per CTA: min {counts.min() if len(counts) else 0}, "
+            f"max {counts.max() if len(counts) else 0}; {split} items write partial states, "
+            f"{len(self.merge_rows)} output rows merged",
+        ]
+        return "\n".join(lines)
+
+
+def kv_window(q_len: int, kv_len: int, g: int, row0: int, row_last: int, causal: bool,
+              window_left: int | None) -> tuple[int, int]:
+    """KV range [lo, hi) that packed rows [row0, row_last] can see (queries end-aligned)."""
+    first = kv_len - q_len + row0 // g
+    last = kv_len - q_len + row_last // g
+    hi = min(kv_len, last + 1) if causal else kv_len
+    lo = max(0, first - window_left) if window_left is not None else 0
+    return lo, max(lo, hi)
+
+
+def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: int,
+              rows_per_cta: int, num_ctas: int, causal: bool, window_left: int | None,
+              split_kv: bool = True, alpha: float = 1.0, beta: float = 1.0) -> Plan:
+    """Schedule a batch. qo_lens / kv_lens / kv_starts: per request (host ints)."""
+    g = num_qo_heads // num_kv_heads
+    batch = len(qo_lens)
+    q_starts = np.concatenate([[0], np.cumsum(qo_lens)[:-1]]) if batch else np.zeros(0)
+    requests = np.zeros((batch, 4), dtype=np.int32)
+    if batch:
+        requests[:, 0], requests[:, 1] = q_starts, qo_lens
+        requests[:, 2], requests[:, 3] = kv_lens, kv_starts
+
+    # query tiles and the KV range each can see
+    tiles = []  # (request, kv_head, row0, lo, hi)
+    for b in range(batch):
+        rows = int(qo_lens[b]) * g
+        for row0 in range(0, rows, rows_per_cta):
+            lo, hi = kv_window(int(qo_lens[b]), int(kv_lens[b]), g, row0,
+                               min(row0 + rows_per_cta, rows) - 1, causal, window_left)
+            for hk in range(num_kv_heads):
+                tiles.append((b, hk, row0, lo, hi))
+    total = sum(hi - lo for *_, lo, hi in tiles)
+    cap = max(1, math.ceil(total / max(1, num_ctas))) if split_kv else 1 << 30
+    cap = -(-cap // KV_TILE) * KV_TILE
+
+    chunks = []  # (length, id, tile index, lo, hi)
+    for t, (b, hk, row0, lo, hi) in enumerate(tiles):
+        n = max(1, math.ceil((hi - lo) / cap))
+        step = -(-(hi - lo) // n) if hi > lo else 0
+        step = -(-step // KV_TILE) * KV_TILE if step else 0
+        starts = list(range(lo, hi, step)) if step else [lo]
+        for s in starts:
+            chunks.append((min(s + step, hi) - s if step else 0, len(chunks), t, s,
+                           min(s + step, hi) if step else hi))
+
+    # longest first, stable ids; least-loaded CTA (ties: lowest CTA id)
+    order = sorted(chunks, key=lambda c: (-c[0], c[1]))
+    heap = [(0.0, c) for c in range(num_ctas)]
+    assigned = [[] for _ in range(num_ctas)]
+    for length, cid, t, lo, hi in order:
+        load, cta = heapq.heappop(heap)
+        cost = alpha * rows_per_cta + beta * length
+        assigned[cta].append((cid, t, lo, hi, cost))
+        heapq.heappush(heap, (load + cost, cta))
+
+    # partial rows for tiles cut into several chunks
+    per_tile = {}
+    for _, _, t, lo, hi in chunks:
+        per_tile.setdefault(t, []).append((lo, hi))
+    partial_of = {}  # (tile, lo) -> first partial row
+    next_row = 0
+    for t, spans in per_tile.items():
+        if len(spans) > 1:
+            for lo, _ in spans:
+                partial_of[(t, lo)] = next_row
+                next_row += rows_per_cta
+
+    items, costs, cta_indptr = [], [], [0]
+    for cta in range(num_ctas):
+        for cid, t, lo, hi, cost in assigned[cta]:
+            b, hk, row0, _, _ = tiles[t]
+            items.append((b, hk, row0, lo, hi, partial_of.get((t, lo), -1), 0, 0))
+            costs.append(cost)
+        cta_indptr.append(len(items))
+
+    merge_indptr, merge_rows, merge_slots = [0], [], []
+    for t, spans in per_tile.items():
+        if len(spans) < 2:
+            continue
+        b, hk, row0, _, _ = tiles[t]
+        rows = int(qo_lens[b]) * g
+        for r in range(row0, min(row0 + rows_per_cta, rows)):
+            token = int(q_starts[b]) + r // g
+            merge_rows.append(token * num_qo_heads + hk * g + r % g)
+            merge_slots += [partial_of[(t, lo)] + (r - row0) for lo, _ in sorted(spans)]
+            merge_indptr.append(len(merge_slots))
+
+    as_i32 = lambda x, shape=(-1,): np.asarray(x, dtype=np.int32).reshape(shape)  # noqa: E731
+    return Plan(requests=requests, items=as_i32(items, (-1, ITEM_FIELDS)),
+                cta_indptr=as_i32(cta_indptr), merge_indptr=as_i32(merge_indptr),
+                merge_rows=as_i32(merge_rows), merge_slots=as_i32(merge_slots),
+                item_cost=np.asarray(costs, dtype=np.float64), num_ctas=num_ctas,
+                rows_per_cta=rows_per_cta, group_size=g, num_partial_rows=next_row,
+                chunk_cap=cap)
