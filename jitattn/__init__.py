@@ -13,9 +13,12 @@ from .mods import alibi_slopes, soft_cap
 from .spec import RoPE, Variant
 from .build import CompileError
 from .api import attention
+from .batch import BatchDecode, BatchPrefill
+from .merge import merge_state, merge_state_in_place, merge_states
 
 __all__ = [
     "Variant", "RoPE", "SpecError", "CompileError", "attention", "scalar", "tensor", "where",
     "tanh", "exp", "log", "sigmoid", "minimum", "maximum", "abs", "soft_cap", "alibi_slopes",
+    "merge_state", "merge_state_in_place", "merge_states", "BatchPrefill", "BatchDecode",
     "__version__",
 ]

@@ -132,25 +132,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     elif not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale must be a finite number, got {sm_scale!r}")
 
-    out = _output("out", out, (total_q, hq, head_dim), q.dtype, q.device)
-    lse = _output("lse", lse, (total_q, hq), torch.float32, q.device)
+    out = launch.output_buffer("out", out, (total_q, hq, head_dim), q.dtype, q.device)
+    lse = launch.output_buffer("lse", lse, (total_q, hq), torch.float32, q.device)
     if total_q > 0:
         _launch(q, k, v, out, lse, variant, bound, qo_indptr is not None, qo_host, kv_host,
                 batch, max_qo, float(sm_scale))
     return (out, lse) if return_lse else out
-
-
-def _output(name, t, shape, dtype, device):
-    if t is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
-        raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected "
-                         f"{shape} {dtype} on {device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
-    return t
 
 
 def _device_indptr(host: list[int] | None, device):

@@ -123,3 +123,21 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
 def clear_memo() -> None:
     """Forget loaded kernels (tests use it to force the disk path)."""
     _MEMO.clear()
+
+
+def get_merge_kernel(*, backend: str, in_tag: str, out_tag: str, device_index: int = 0):
+    """The attention-state merge kernel (variant-independent), memoised."""
+    memo_key = ("merge", backend) if backend == "cpu" else ("merge", in_tag, out_tag,
+                                                            device_index)
+    kernel = _MEMO.get(memo_key)
+    if kernel is not None:
+        return kernel
+    if backend == "cpu":
+        src = render.render_merge_cpu()
+        kernel = load.load_cpu(compile_cached(src, None)[0], src)
+    else:
+        src = render.render_merge_cuda(in_tag, out_tag)
+        arch = device_arch(device_index)
+        kernel = load.load_cuda(compile_cached(src, arch)[0], src, device_index)
+    _MEMO[memo_key] = kernel
+    return kernel

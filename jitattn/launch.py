@@ -55,6 +55,20 @@ class DevicePlan:
     rows_per_cta: int
 
 
+def output_buffer(name, t, shape, dtype, device):
+    """A new output tensor, or the caller's after checking it fits."""
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected "
+                         f"{tuple(shape)} {dtype} on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    return t
+
+
 def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -104,7 +118,8 @@ def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
                           sm_scale=sm_scale)
     tag = dtypes.tag(q.dtype)
     if q.device.type == "cpu":
-        jit.get_kernel(variant, backend="cpu", head_dim=head_dim).launch(tag, args)
+        jit.get_kernel(variant, backend="cpu", head_dim=head_dim).launch(
+            f"jitattn_attention_{tag}", args)
         return
     index = device_index(q)
     kernel = jit.get_kernel(variant, backend="cuda", kind=kind, dtype_tag=tag,
@@ -115,3 +130,26 @@ def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
         g = q.shape[1] // num_kv_heads
         grid = (-(-max_qo_len * g // kernel.rows_per_cta), batch, num_kv_heads)
     kernel.launch(grid, args, torch.cuda.current_stream(index).cuda_stream)
+
+
+def run_merge(o_parts, lse_parts, out, lse_out, *, sigmoid: bool, merge_indptr=None,
+              merge_rows=None, merge_slots=None, num_merged_dev=None, num_merged: int = 0,
+              num_states: int = 0, state_stride: int = 0, grid_ctas: int | None = None) -> None:
+    """Launch the attention-state merge (planned mode with merge_slots, else dense mode: row m
+    merges rows m + i * state_stride of o_parts / lse_parts for i < num_states)."""
+    in_tag, out_tag = dtypes.tag(o_parts.dtype), dtypes.tag(out.dtype)
+    head_dim = out.shape[-1]
+    args = [("ptr", o_parts.data_ptr()), ("ptr", lse_parts.data_ptr()),
+            ("ptr", _ptr(merge_indptr)), ("ptr", _ptr(merge_rows)), ("ptr", _ptr(merge_slots)),
+            ("ptr", _ptr(num_merged_dev)), ("i32", num_merged), ("i32", num_states),
+            ("i64", state_stride), ("ptr", out.data_ptr()), ("ptr", lse_out.data_ptr()),
+            ("i32", head_dim), ("i32", int(sigmoid))]
+    if out.device.type == "cpu":
+        jit.get_merge_kernel(backend="cpu", in_tag=in_tag, out_tag=out_tag).launch(
+            f"jitattn_merge_{in_tag}_{out_tag}", args)
+        return
+    index = device_index(out)
+    kernel = jit.get_merge_kernel(backend="cuda", in_tag=in_tag, out_tag=out_tag,
+                                  device_index=index)
+    ctas = grid_ctas or max(1, min(-(-num_merged // kernel.rows_per_cta), 65535))
+    kernel.launch((ctas, 1, 1), args, torch.cuda.current_stream(index).cuda_stream)

@@ -58,7 +58,9 @@ class _Driver:
                "cuModuleGetFunction": [ctypes.POINTER(vp), vp, ctypes.c_char_p],
                "cuFuncSetAttribute": [vp, i, i],
                "cuLaunchKernel": [vp, u, u, u, u, u, u, u, vp, vp, vp],
-               "cuGetErrorString": [i, ctypes.POINTER(ctypes.c_char_p)]}
+               "cuGetErrorString": [i, ctypes.POINTER(ctypes.c_char_p)],
+               "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.POINTER(i), vp, i,
+                                                               ctypes.c_size_t]}
         for name, argtypes in sig.items():
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = i
@@ -122,6 +124,15 @@ class CudaKernel:
     kind: str
     _params: _ParamBuffer | None = None
 
+    def resident_ctas_per_sm(self) -> int:
+        """How many CTAs of this kernel one SM holds at once (occupancy)."""
+        drv, n = _driver(), ctypes.c_int()
+        drv.check(drv.call_in_context(self.device_index, lambda: drv.lib.
+                                      cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                                          ctypes.byref(n), self.function, self.threads,
+                                          self.smem_bytes)), "cuOccupancyMaxActiveBlocks")
+        return max(1, n.value)
+
     def launch(self, grid: tuple, args: list, stream_ptr: int) -> None:
         """Launch on the CUDA stream ``stream_ptr`` (torch's current stream); no sync.
         ``args`` are ``(kind, value)`` pairs matching the kernel's signature."""
@@ -143,10 +154,11 @@ class CpuKernel:
     """The CPU backend's library: one entry point per dtype tag."""
 
     library: ctypes.CDLL
-    entries: dict             # dtype tag -> ctypes function
+    entries: dict             # symbol name -> ctypes function
 
-    def launch(self, dtype_tag: str, args: list) -> None:
-        fn = self.entries[dtype_tag]
+    def launch(self, entry: str, args: list) -> None:
+        """Call entry point ``entry`` (its full symbol name) with typed arguments."""
+        fn = self.entries[entry]
         rc = fn(*(_CTYPES[k](v) for k, v in args))
         if rc != 0:
             raise RuntimeError(f"jitattn CPU kernel returned {rc}")
@@ -157,7 +169,7 @@ def load_cuda(path: Path, src: RenderedSource, device_index: int) -> CudaKernel:
     shared-memory limit when it needs more than the default 48 KiB."""
     drv = _driver()
     module, function = ctypes.c_void_p(), ctypes.c_void_p()
-    smem = src.tiles.smem_bytes(src.kind, src.head_dim)
+    smem = src.tiles.smem_bytes(src.kind, src.head_dim) if src.tiles else 0
 
     def load():
         drv.check(drv.lib.cuModuleLoad(ctypes.byref(module), str(path).encode()),
@@ -168,6 +180,9 @@ def load_cuda(path: Path, src: RenderedSource, device_index: int) -> CudaKernel:
             drv.check(drv.lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED, smem),
                       f"cuFuncSetAttribute(max dynamic shared memory = {smem} B)")
     drv.call_in_context(device_index, load)
+    if src.tiles is None:  # merge: 4 warps, one output row per warp
+        return CudaKernel(function.value, device_index, threads=128, smem_bytes=0,
+                          rows_per_cta=4, kind=src.kind)
     return CudaKernel(function.value, device_index, threads=32 * src.tiles.num_warps,
                       smem_bytes=smem, rows_per_cta=src.tiles.rows_per_cta(src.kind),
                       kind=src.kind)
@@ -179,5 +194,5 @@ def load_cpu(path: Path, src: RenderedSource) -> CpuKernel:
     for name in src.entries:
         fn = getattr(library, name)
         fn.restype = ctypes.c_int
-        entries[name.rsplit("_", 1)[-1]] = fn
+        entries[name] = fn
     return CpuKernel(library, entries)

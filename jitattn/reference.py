@@ -91,3 +91,29 @@ def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_s
             lse[qo[b]:qo[b + 1]] = torch.where(any_visible.squeeze(-1).T, row_lse, -math.inf)
         out[qo[b]:qo[b + 1]] = o
     return (out, lse) if return_lse else out
+
+
+def paged_to_ragged(kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout="NHD"):
+    """Gather a paged KV cache into ragged k, v [total_kv, Hkv, D] and a kv_indptr over tokens.
+
+    kv_cache: (k_cache, v_cache) or one [num_pages, 2, ...] tensor; NHD pages are
+    [page_size, Hkv, D], HND pages [Hkv, page_size, D]. Request b owns pages
+    kv_indices[kv_indptr[b]:kv_indptr[b+1]]; its last page holds kv_last_page_len[b] tokens.
+    """
+    k_cache, v_cache = (kv_cache[:, 0], kv_cache[:, 1]) if isinstance(kv_cache, torch.Tensor) \
+        else kv_cache
+    if kv_layout == "HND":
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    page_size = k_cache.shape[1]
+    ks, vs, token_indptr = [], [], [0]
+    indptr, indices, last = (x.tolist() for x in (kv_indptr, kv_indices, kv_last_page_len))
+    for b in range(len(indptr) - 1):
+        pages = indices[indptr[b]:indptr[b + 1]]
+        n = (len(pages) - 1) * page_size + last[b] if pages else 0
+        k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n] if pages else k_cache[:0, 0]
+        v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n] if pages else v_cache[:0, 0]
+        ks.append(k)
+        vs.append(v)
+        token_indptr.append(token_indptr[-1] + n)
+    return (torch.cat(ks), torch.cat(vs),
+            torch.tensor(token_indptr, dtype=torch.int32))

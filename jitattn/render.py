@@ -169,3 +169,32 @@ def render_cpu(variant: Variant, *, head_dim: int) -> RenderedSource:
         entries=tuple(f"jitattn_attention_{t}" for t, _ in entries),
         include_dirs=_include_dirs("cpu"), headers_digest=_headers_digest("cpu"),
         hooks=_hook_lines(code, variant), kind="cpu", head_dim=head_dim)
+
+
+#: (input, output) dtype tags the merge kernels are built for: public merges keep the dtype,
+#: planned split-KV merges read float32 partial states.
+MERGE_COMBOS = (("f16", "f16"), ("bf16", "bf16"), ("f32", "f32"), ("f32", "f16"),
+                ("f32", "bf16"))
+
+
+def render_merge_cuda(in_tag: str, out_tag: str) -> RenderedSource:
+    """CUDA attention-state merge kernel (variant-independent)."""
+    if (in_tag, out_tag) not in MERGE_COMBOS:
+        raise ValueError(f"merge {in_tag} -> {out_tag}: expected one of {MERGE_COMBOS}")
+    code = _environment().get_template("cuda/merge.cu.j2").render(
+        version=__version__, in_tag=in_tag, out_tag=out_tag,
+        in_ctype=dtypes.CTYPE["cuda"][in_tag], out_ctype=dtypes.CTYPE["cuda"][out_tag])
+    return RenderedSource(code=code, lang="cuda", name=f"merge-{in_tag}-{out_tag}",
+                          entries=("jitattn_merge",), include_dirs=_include_dirs("cuda"),
+                          headers_digest=_headers_digest("cuda"), kind="merge", head_dim=0)
+
+
+def render_merge_cpu() -> RenderedSource:
+    """CPU attention-state merge, every dtype combination in one library."""
+    combos = [(i, dtypes.CTYPE["cpu"][i], o, dtypes.CTYPE["cpu"][o]) for i, o in MERGE_COMBOS]
+    code = _environment().get_template("cpu/merge.cpp.j2").render(version=__version__,
+                                                                 combos=combos)
+    return RenderedSource(code=code, lang="cpp", name="merge-cpu",
+                          entries=tuple(f"jitattn_merge_{i}_{o}" for i, o in MERGE_COMBOS),
+                          include_dirs=_include_dirs("cpu"), headers_digest=_headers_digest("cpu"),
+                          kind="merge", head_dim=0)

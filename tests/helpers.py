@@ -50,3 +50,41 @@ def check(variant, params, q, k, v, qo_indptr=None, kv_indptr=None):
         empty = torch.isinf(ref_lse)
         assert (out[empty] == 0).all()
     return out, lse
+
+
+def make_paged(kv_lens, hkv, head_dim, page_size, layout, dtype, device, seed, extra_pages=3):
+    """A random paged KV cache (pages in shuffled order, some unused) and its page table."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_per = [-(-n // page_size) for n in kv_lens]
+    num_pages = sum(pages_per) + extra_pages
+    perm = torch.randperm(num_pages, generator=gen)
+    indices, indptr, last = [], [0], []
+    for n, p in zip(kv_lens, pages_per):
+        indices += perm[len(indices):len(indices) + p].tolist()
+        indptr.append(len(indices))
+        last.append(n - (p - 1) * page_size if p else 0)
+    page = (page_size, hkv, head_dim) if layout == "NHD" else (hkv, page_size, head_dim)
+    k = torch.randn(num_pages, *page, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(num_pages, *page, generator=gen).to(device=device, dtype=dtype)
+    i32 = dict(dtype=torch.int32)
+    return (k, v), torch.tensor(indptr, **i32), torch.tensor(indices, **i32), \
+        torch.tensor(last, **i32)
+
+
+def check_batch(wrapper, variant, params, q, kv_cache, qo_indptr, kv_indptr, kv_indices, last,
+                layout):
+    """Run a planned wrapper into NaN-poisoned outputs and compare with the reference."""
+    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device)
+    wrapper.run(q, kv_cache, out=out, lse=lse, **params)
+    k, v, token_indptr = reference.paged_to_ragged(kv_cache, kv_indptr, kv_indices, last, layout)
+    ref_out, ref_lse = reference.attention(q, k, v, variant, qo_indptr=qo_indptr,
+                                           kv_indptr=token_indptr, return_lse=True, **params)
+    assert not out.isnan().any(), "unwritten or NaN output"
+    assert not lse.isnan().any(), "unwritten or NaN lse"
+    torch.testing.assert_close(out, ref_out.to(out.dtype), **TOL[q.dtype])
+    lse = lse.double()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows with no visible key differ"
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=LSE_ATOL[q.dtype], rtol=1e-4)
+    return out, lse

@@ -1,0 +1,333 @@
+"""Batch attention over paged KV caches with FlashInfer's plan/run split: BatchPrefill and
+BatchDecode.
+
+``plan()`` runs on the host once per generation step (validation, the load-balanced schedule of
+plan.py) and copies the schedule into a device workspace allocated once, with capacities
+declared up front. ``run()`` is then reused by every layer: it checks tensors against the plan
+and launches a persistent grid (one CTA per resident slot) plus the merge kernel, with no host
+sync and no allocation of its own except the outputs (pass ``out`` / ``lse`` to avoid those), so
+it can be captured in a CUDA graph and replayed after a new ``plan()`` within the capacities.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+
+from . import dtypes, jit, launch
+from .plan import ITEM_FIELDS, Plan, make_plan
+from .render import HEAD_DIMS, tiles_for
+from .spec import Variant
+
+LAYOUTS = ("NHD", "HND")
+
+
+def _host_int32(name: str, t, *, allow_empty: bool = False) -> np.ndarray:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected torch.int32")
+    if t.dim() != 1 or (t.numel() == 0 and not allow_empty):
+        raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
+    return t.cpu().numpy()
+
+
+def _check_indptr(name: str, x: np.ndarray) -> None:
+    if x[0] != 0:
+        raise ValueError(f"{name}[0] is {x[0]}; expected 0")
+    bad = np.nonzero(np.diff(x) < 0)[0]
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"{name} must be non-decreasing; {name}[{i}] = {x[i]} > "
+                         f"{name}[{i + 1}] = {x[i + 1]}")
+
+
+class BatchPrefill:
+    """Prefill (any number of queries per request) over a paged KV cache, for one Variant.
+
+    variant: the attention variant. page_size: tokens per page (1 or more). kv_layout: "NHD"
+    (pages [page_size, num_kv_heads, head_dim]) or "HND" ([num_kv_heads, page_size, head_dim]).
+    device: where run() will be called ("cuda", "cuda:1" or "cpu").
+    Capacities of the device workspace, fixed for the wrapper's life (plan() raises ValueError
+    when a batch needs more): max_batch_size requests, max_num_pages entries in kv_indices,
+    max_work_items scheduled items, max_partial_rows split-KV partial states.
+    split_kv: let the scheduler cut long KV ranges into chunks merged afterwards.
+    Algorithm: FlashInfer (Ye et al. 2025, arXiv 2501.01005), sections 3.1 and 3.3.
+    """
+
+    _kind = "prefill"
+
+    def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD", *,
+                 device="cuda", max_batch_size: int = 4096, max_num_pages: int = 1 << 20,
+                 max_work_items: int = 1 << 16, max_partial_rows: int = 1 << 14,
+                 split_kv: bool = True):
+        if not isinstance(variant, Variant):
+            raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size={page_size!r}: expected an int >= 1")
+        if kv_layout not in LAYOUTS:
+            raise ValueError(f"kv_layout={kv_layout!r}: expected one of {LAYOUTS}")
+        self.variant, self.page_size, self.kv_layout = variant, page_size, kv_layout
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.split_kv = split_kv
+        self.capacity = dict(max_batch_size=max_batch_size, max_num_pages=max_num_pages,
+                             max_work_items=max_work_items, max_partial_rows=max_partial_rows)
+        self._plan: Plan | None = None
+        self._ws: dict | None = None
+        self._planned: dict = {}
+
+    # -- plan -------------------------------------------------------------------------------------
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, *, q_dtype=torch.float16, kv_dtype=None,
+             sm_scale: float | None = None) -> Plan:
+        """Schedule a batch; reused by every run() until the next plan().
+
+        qo_indptr: [batch + 1] int32, request b's queries are rows qo_indptr[b]:qo_indptr[b+1]
+            of q. kv_indptr: [batch + 1] int32 into kv_indices; kv_indices: page ids, int32;
+            kv_last_page_len: [batch] int32 in [1, page_size] for requests with pages.
+            Host (CPU) tensors avoid a device sync.
+        q_dtype / kv_dtype: torch.float16 or torch.bfloat16 (kv_dtype defaults to q_dtype).
+        sm_scale: default 1 / sqrt(head_dim).
+        Returns the Plan (``plan.describe()`` prints it). Raises TypeError / ValueError.
+        """
+        qo = _host_int32("qo_indptr", qo_indptr)
+        return self._plan_batch(qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
+                                num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale)
+
+    def _plan_batch(self, qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
+                    num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale) -> Plan:
+        kv = _host_int32("kv_indptr", kv_indptr)
+        indices = _host_int32("kv_indices", kv_indices, allow_empty=True)
+        last = _host_int32("kv_last_page_len", kv_last_page_len, allow_empty=True)
+        _check_indptr("qo_indptr", qo)
+        _check_indptr("kv_indptr", kv)
+        batch = len(qo) - 1
+        if len(kv) != batch + 1 or len(last) != batch:
+            raise ValueError(f"qo_indptr has {len(qo)} entries, kv_indptr {len(kv)} and "
+                             f"kv_last_page_len {len(last)}; expected batch + 1, batch + 1, "
+                             f"batch")
+        if kv[-1] > len(indices):
+            raise ValueError(f"kv_indptr[-1] is {kv[-1]} but kv_indices has {len(indices)} "
+                             f"entries")
+        if len(indices) and indices[:kv[-1]].min(initial=0) < 0:
+            raise ValueError(f"kv_indices holds a negative page id "
+                             f"({int(indices[:kv[-1]].min())})")
+        pages = np.diff(kv)
+        bad = np.nonzero((pages > 0) & ((last < 1) | (last > self.page_size)))[0]
+        if len(bad):
+            b = int(bad[0])
+            raise ValueError(f"kv_last_page_len[{b}] is {last[b]}; expected 1 .. page_size "
+                             f"({self.page_size}) for a request with pages")
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected an int >= 1")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
+                             f"num_kv_heads ({num_kv_heads})")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim={head_dim}: expected one of {HEAD_DIMS}")
+        kv_dtype = q_dtype if kv_dtype is None else kv_dtype
+        if q_dtype not in dtypes.QKV_DTYPES or kv_dtype != q_dtype:
+            raise TypeError(f"q_dtype={q_dtype}, kv_dtype={kv_dtype}: expected one of "
+                            f"{dtypes.QKV_DTYPES}, the same for both")
+        cap = self.capacity
+        if batch > cap["max_batch_size"]:
+            raise ValueError(f"batch of {batch} requests exceeds max_batch_size="
+                             f"{cap['max_batch_size']} given to the constructor")
+        if kv[-1] > cap["max_num_pages"]:
+            raise ValueError(f"the batch uses {kv[-1]} pages, more than max_num_pages="
+                             f"{cap['max_num_pages']} given to the constructor")
+        kv_lens = np.where(pages > 0, (pages - 1) * self.page_size + last, 0)
+        qo_lens = np.diff(qo)
+        kernel_kind = self._kind
+        tiles = tiles_for(kernel_kind, head_dim)
+        rows = tiles.rows_per_cta(kernel_kind)
+        num_ctas = self._num_ctas(kernel_kind, q_dtype, head_dim)
+        plan = make_plan(qo_lens, kv_lens, kv[:-1], num_qo_heads=num_qo_heads,
+                         num_kv_heads=num_kv_heads, rows_per_cta=rows, num_ctas=num_ctas,
+                         causal=self.variant.mask == "causal",
+                         window_left=self.variant.window_left, split_kv=self.split_kv)
+        if plan.num_items > cap["max_work_items"]:
+            raise ValueError(f"the plan has {plan.num_items} work items, more than "
+                             f"max_work_items={cap['max_work_items']} given to the constructor")
+        if plan.num_partial_rows > cap["max_partial_rows"]:
+            raise ValueError(f"the plan needs {plan.num_partial_rows} partial rows, more than "
+                             f"max_partial_rows={cap['max_partial_rows']} given to the "
+                             f"constructor (or construct with split_kv=False)")
+        self._upload(plan, indices[:kv[-1]], head_dim)
+        self._plan = plan
+        self._planned = dict(
+            total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, dtype=q_dtype, batch=batch,
+            max_page=int(indices[:kv[-1]].max(initial=-1)),
+            sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
+            sizes=dict(batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                       qo_len=int(qo_lens.max(initial=0)), kv_len=int(kv_lens.max(initial=0))))
+        return plan
+
+    def _num_ctas(self, kind, q_dtype, head_dim) -> int:
+        if self.device.type == "cpu":
+            return 2 * (os.cpu_count() or 1)
+        kernel = jit.get_kernel(self.variant, backend="cuda", kind=kind,
+                                dtype_tag=dtypes.tag(q_dtype), head_dim=head_dim,
+                                device_index=self.device.index)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return sms * kernel.resident_ctas_per_sm()
+
+    def _workspace(self, num_ctas: int, head_dim: int) -> dict:
+        cap, dev = self.capacity, self.device
+        ws = self._ws
+        if ws is not None and ws["num_ctas"] == num_ctas and ws["head_dim"] == head_dim:
+            return ws
+        i32 = dict(dtype=torch.int32, device=dev)
+        # one int32 buffer: requests | items | cta_indptr | merge indptr | rows | slots |
+        # kv_indices | merge count; carved into views so that one copy uploads a plan
+        sizes = dict(requests=4 * cap["max_batch_size"],
+                     items=ITEM_FIELDS * cap["max_work_items"], cta_indptr=num_ctas + 1,
+                     merge_indptr=cap["max_partial_rows"] + 1,
+                     merge_rows=cap["max_partial_rows"], merge_slots=cap["max_partial_rows"],
+                     kv_indices=cap["max_num_pages"], merge_count=1)
+        total = sum(sizes.values())
+        ints = torch.zeros(total, **i32)
+        pinned = torch.zeros(total, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        views, offset = {}, 0
+        for name, n in sizes.items():
+            views[name] = (offset, n)
+            offset += n
+        self._ws = ws = dict(
+            ints=ints, pinned=pinned, views=views, num_ctas=num_ctas, head_dim=head_dim,
+            partial_o=torch.empty(cap["max_partial_rows"], head_dim, dtype=torch.float32,
+                                  device=dev),
+            partial_lse=torch.empty(cap["max_partial_rows"], dtype=torch.float32, device=dev))
+        return ws
+
+    def _view(self, name: str) -> torch.Tensor:
+        offset, n = self._ws["views"][name]
+        return self._ws["ints"][offset:offset + n]
+
+    def _upload(self, plan: Plan, kv_indices: np.ndarray, head_dim: int) -> None:
+        ws = self._workspace(plan.num_ctas, head_dim)
+        if ws.get("copied") is not None:
+            ws["copied"].synchronize()  # the previous plan's copy has left the pinned buffer
+        host = ws["pinned"].numpy()
+        used = 0
+        for name, array in (("requests", plan.requests), ("items", plan.items),
+                            ("cta_indptr", plan.cta_indptr), ("merge_indptr", plan.merge_indptr),
+                            ("merge_rows", plan.merge_rows), ("merge_slots", plan.merge_slots),
+                            ("kv_indices", kv_indices),
+                            ("merge_count", np.array([len(plan.merge_rows)]))):
+            offset, n = ws["views"][name]
+            flat = np.asarray(array, dtype=np.int32).reshape(-1)
+            host[offset:offset + len(flat)] = flat
+            used = max(used, offset + len(flat))
+        # pinned host -> fixed device buffer; the copy is ordered before later work on the stream
+        ws["ints"][:used].copy_(ws["pinned"][:used], non_blocking=True)
+        if self.device.type == "cuda":
+            ws["copied"] = torch.cuda.Event()
+            ws["copied"].record()
+
+    # -- run --------------------------------------------------------------------------------------
+    def _split_cache(self, kv_cache):
+        if isinstance(kv_cache, torch.Tensor):
+            if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+                raise ValueError(f"kv_cache as one tensor must be [num_pages, 2, ...] (5-D), got "
+                                 f"{tuple(kv_cache.shape)}")
+            return kv_cache[:, 0], kv_cache[:, 1]
+        if not (isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2):
+            raise TypeError("kv_cache must be (k_cache, v_cache) or one [num_pages, 2, ...] tensor")
+        return kv_cache
+
+    def _check_run(self, q, k_cache, v_cache) -> None:
+        if self._plan is None:
+            raise RuntimeError(f"{type(self).__name__}.run() called before plan()")
+        pl = self._planned
+        want_q = (pl["total_q"], pl["num_qo_heads"], pl["head_dim"])
+        if not isinstance(q, torch.Tensor) or tuple(q.shape) != want_q:
+            raise ValueError(f"q has shape {tuple(getattr(q, 'shape', ()))}; the plan expects "
+                             f"{want_q}")
+        if q.dtype != pl["dtype"]:
+            raise TypeError(f"q has dtype {q.dtype}; the plan was made for {pl['dtype']}")
+        hkv, d, ps = pl["num_kv_heads"], pl["head_dim"], self.page_size
+        page = (ps, hkv, d) if self.kv_layout == "NHD" else (hkv, ps, d)
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(c, torch.Tensor) or c.dim() != 4 or tuple(c.shape[1:]) != page:
+                raise ValueError(f"{name} has shape {tuple(getattr(c, 'shape', ()))}; expected "
+                                 f"[num_pages, {', '.join(map(str, page))}] ({self.kv_layout})")
+            if c.dtype != q.dtype:
+                raise TypeError(f"{name} has dtype {c.dtype}; expected {q.dtype} (q's)")
+            if c.device != q.device or q.device != self.device:
+                raise ValueError(f"q and {name} are on {q.device} / {c.device}; the wrapper "
+                                 f"was built for {self.device}")
+            if c.stride(3) != 1 or any(s % 8 for s in c.stride()[:3]) or c.data_ptr() % 16:
+                raise ValueError(f"{name} has strides {c.stride()}; expected the last dim "
+                                 f"contiguous, other strides multiples of 8, 16-byte aligned")
+            if pl["max_page"] >= c.shape[0]:
+                raise ValueError(f"kv_indices refers to page {pl['max_page']} but {name} has "
+                                 f"{c.shape[0]} pages")
+        s0, s1, s2 = q.stride()
+        if s2 != 1 or s0 % 8 or s1 % 8 or q.data_ptr() % 16:
+            raise ValueError(f"q has strides {q.stride()}; expected the last dim contiguous, "
+                             f"other strides multiples of 8, 16-byte aligned")
+
+    def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, **params):
+        """Attention for the planned batch.
+
+        q: [total_q, num_qo_heads, head_dim] (planned dtype). kv_cache: (k_cache, v_cache) with
+        pages laid out as kv_layout, or one [num_pages, 2, ...] tensor.
+        out / lse: optional outputs [total_q, num_qo_heads, head_dim] / [total_q, num_qo_heads].
+        params: the variant's runtime parameters (shape symbols from the plan: qo_len / kv_len
+        are the longest request). Returns out, or (out, lse) with lse float32 natural log;
+        rows that see no key give out 0 and lse -inf. Raises before any launch on bad input.
+        """
+        k_cache, v_cache = self._split_cache(kv_cache)
+        self._check_run(q, k_cache, v_cache)
+        pl, plan, ws = self._planned, self._plan, self._ws
+        bound = self.variant.bind(params, device=q.device, sizes=pl["sizes"])
+        shape = (pl["total_q"], pl["num_qo_heads"], pl["head_dim"])
+        out = launch.output_buffer("out", out, shape, q.dtype, q.device)
+        lse = launch.output_buffer("lse", lse, shape[:2], torch.float32, q.device)
+        device_plan = launch.DevicePlan(
+            requests=self._view("requests"), items=self._view("items"),
+            cta_indptr=self._view("cta_indptr"), partial_o=ws["partial_o"],
+            partial_lse=ws["partial_lse"], num_items=plan.num_items, num_ctas=plan.num_ctas,
+            rows_per_cta=plan.rows_per_cta)
+        kv = launch.KVView.paged(k_cache, v_cache, self._view("kv_indices"), self.kv_layout)
+        launch.run_attention(q, kv, out, lse, self.variant, bound,
+                             num_kv_heads=pl["num_kv_heads"], kind=self._kind, plan=device_plan,
+                             batch=pl["batch"], max_qo_len=pl["sizes"]["qo_len"],
+                             single_qo_len=0, single_kv_len=0, sm_scale=pl["sm_scale"])
+        if q.device.type == "cuda" or len(plan.merge_rows):
+            # always on CUDA: the row count is read on the device, so a captured graph
+            # replays correctly after a plan with more (or fewer) merges
+            launch.run_merge(ws["partial_o"], ws["partial_lse"], out.view(-1, shape[2]),
+                             lse.view(-1), sigmoid=self.variant.reduction == "sigmoid",
+                             merge_indptr=self._view("merge_indptr"),
+                             merge_rows=self._view("merge_rows"),
+                             merge_slots=self._view("merge_slots"),
+                             num_merged_dev=self._view("merge_count"),
+                             grid_ctas=plan.num_ctas)
+        return (out, lse) if return_lse else out
+
+
+class BatchDecode(BatchPrefill):
+    """Decode: one query token per request over a paged KV cache (the decode kernel: warps
+    split each work item's KV range; the scheduler splits long requests across CTAs).
+    Same constructor as BatchPrefill; q is [batch, num_qo_heads, head_dim]."""
+
+    _kind = "decode"
+
+    def plan(self, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, *, q_dtype=torch.float16, kv_dtype=None,
+             sm_scale: float | None = None) -> Plan:
+        """As BatchPrefill.plan without qo_indptr (one query per request)."""
+        kv = _host_int32("kv_indptr", kv_indptr)
+        qo = np.arange(len(kv), dtype=np.int32)
+        return self._plan_batch(qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
+                                num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale)
+

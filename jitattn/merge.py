@@ -1,0 +1,79 @@
+"""Public attention-state merges: combine partial attention results over disjoint key sets.
+
+Attention state (FlashInfer paper, arXiv 2501.01005, section 2.2): for keys split into sets A
+and B, with (o_A, lse_A) and (o_B, lse_B) the attention of the same queries over each,
+m = max(lse_A, lse_B), a = exp(lse_A - m), b = exp(lse_B - m),
+o = (a o_A + b o_B) / (a + b), lse = m + log(a + b). The merge is exact, associative and
+commutative; an empty state (o = 0, lse = -inf) is the identity and merging two empty states
+gives (0, -inf), never NaN. Sigmoid (unnormalised) attention merges by addition:
+o = o_A + o_B (lse then reports log(exp(lse_A) + exp(lse_B))).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import launch
+
+_O_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_state(name: str, o, lse, n_dims: int | None = None) -> None:
+    if not isinstance(o, torch.Tensor) or not isinstance(lse, torch.Tensor):
+        raise TypeError(f"{name}: o and lse must be torch.Tensors")
+    if o.dtype not in _O_DTYPES:
+        raise TypeError(f"{name}: o has dtype {o.dtype}; expected float16, bfloat16 or float32")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"{name}: lse has dtype {lse.dtype}; expected torch.float32")
+    if o.dim() < 2 or tuple(lse.shape) != tuple(o.shape[:-1]):
+        raise ValueError(f"{name}: lse must have o's shape without the last dimension; got o "
+                         f"{tuple(o.shape)}, lse {tuple(lse.shape)}")
+    if o.device != lse.device or o.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: o and lse must be on one cuda or cpu device; got {o.device} "
+                         f"and {lse.device}")
+    if not (o.is_contiguous() and lse.is_contiguous()):
+        raise ValueError(f"{name}: o and lse must be contiguous")
+
+
+def merge_states(o: torch.Tensor, lse: torch.Tensor, *, reduction: str = "softmax"):
+    """Merge n attention states.
+
+    o: [n, ..., head_dim] (e.g. [n, tokens, heads, head_dim]), fp16 / bf16 / fp32;
+    lse: [n, ...] float32, natural log. reduction: "softmax" or "sigmoid".
+    Returns (o_merged [..., head_dim] in o's dtype, lse_merged [...] float32).
+    Raises TypeError / ValueError for wrong dtypes, shapes, devices or strides.
+    """
+    _check_state("merge_states", o, lse)
+    if reduction not in ("softmax", "sigmoid"):
+        raise ValueError(f"reduction={reduction!r}: expected 'softmax' or 'sigmoid'")
+    if o.dim() < 3:
+        raise ValueError(f"merge_states: o must be [n, ..., head_dim], got {tuple(o.shape)}")
+    n, rows = o.shape[0], lse[0].numel()
+    out = torch.empty(o.shape[1:], dtype=o.dtype, device=o.device)
+    lse_out = torch.empty(lse.shape[1:], dtype=torch.float32, device=o.device)
+    if rows and n:
+        launch.run_merge(o, lse, out, lse_out, sigmoid=reduction == "sigmoid",
+                         num_merged=rows, num_states=n, state_stride=rows)
+    elif rows:
+        out.zero_()
+        lse_out.fill_(float("-inf"))
+    return out, lse_out
+
+
+def merge_state(o_a, lse_a, o_b, lse_b, *, reduction: str = "softmax"):
+    """Merge two attention states of the same shape: o [..., head_dim], lse [...] float32.
+    Returns (o, lse). See merge_states."""
+    _check_state("merge_state (a)", o_a, lse_a)
+    _check_state("merge_state (b)", o_b, lse_b)
+    if o_a.shape != o_b.shape or o_a.dtype != o_b.dtype or o_a.device != o_b.device:
+        raise ValueError(f"merge_state: states differ: a {tuple(o_a.shape)} {o_a.dtype} "
+                         f"{o_a.device}, b {tuple(o_b.shape)} {o_b.dtype} {o_b.device}")
+    return merge_states(torch.stack([o_a, o_b]), torch.stack([lse_a, lse_b]),
+                        reduction=reduction)
+
+
+def merge_state_in_place(o, lse, o_other, lse_other, *, reduction: str = "softmax") -> None:
+    """Merge (o_other, lse_other) into (o, lse), overwriting o and lse. See merge_states."""
+    merged_o, merged_lse = merge_state(o, lse, o_other, lse_other, reduction=reduction)
+    o.copy_(merged_o)
+    lse.copy_(merged_lse)

@@ -1,0 +1,113 @@
+"""BatchPrefill / BatchDecode on the CPU backend against the reference: NHD and HND, page sizes
+1, 3 and 16, mixed prefill / decode lengths, empty and one-token requests, split-KV merges."""
+
+import pytest
+import torch
+
+import jitattn as ja
+from jitattn import catalog
+
+from helpers import check_batch, make_batch, make_paged
+
+BUILTIN = catalog.builtin()
+
+
+def _cumsum(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_batch_prefill_matches_reference(layout, page_size):
+    variant = ja.Variant("causal", mask="causal")
+    qo_lens, kv_lens = [5, 0, 1, 40, 17], [5, 9, 300, 40, 0]
+    kv_cache, kv_indptr, kv_indices, last = make_paged(kv_lens, 2, 64, page_size, layout,
+                                                       torch.float16, "cpu", seed=page_size)
+    q, *_ = make_batch(qo_lens, kv_lens, 8, 2, 64, torch.float16, "cpu", seed=1)
+    qo_indptr = _cumsum(qo_lens)
+    w = ja.BatchPrefill(variant, page_size=page_size, kv_layout=layout, device="cpu")
+    plan = w.plan(qo_indptr, kv_indptr, kv_indices, last, 8, 2, 64)
+    assert plan.num_items > 0
+    check_batch(w, variant, {}, q, kv_cache, qo_indptr, kv_indptr, kv_indices, last, layout)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_batch_decode_every_builtin_variant(name):
+    kv_lens = [1, 700, 33, 0, 129]
+    variant, params = BUILTIN[name].example(len(kv_lens), 8, 2, 1, max(kv_lens), "cpu")
+    kv_cache, kv_indptr, kv_indices, last = make_paged(kv_lens, 2, 128, 16, "NHD",
+                                                       torch.bfloat16, "cpu", seed=5)
+    q, *_ = make_batch([1] * len(kv_lens), kv_lens, 8, 2, 128, torch.bfloat16, "cpu", seed=6)
+    w = ja.BatchDecode(variant, page_size=16, device="cpu")
+    plan = w.plan(kv_indptr, kv_indices, last, 8, 2, 128, q_dtype=torch.bfloat16)
+    assert len(plan.merge_rows) > 0  # the 700-key request is split across CTAs and merged
+    check_batch(w, variant, params, q, kv_cache, _cumsum([1] * len(kv_lens)), kv_indptr,
+                kv_indices, last, "NHD")
+
+
+def test_one_cache_tensor_and_replanning():
+    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    w = ja.BatchPrefill(variant, page_size=4, device="cpu")
+    for seed, (qo_lens, kv_lens) in enumerate((([3, 7], [10, 7]), ([1, 1, 20], [50, 2, 25]))):
+        (k, v), kv_indptr, kv_indices, last = make_paged(kv_lens, 4, 64, 4, "NHD",
+                                                         torch.float16, "cpu", seed=seed)
+        cache = torch.stack([k, v], dim=1)  # [num_pages, 2, page_size, Hkv, D]
+        q, *_ = make_batch(qo_lens, kv_lens, 4, 4, 64, torch.float16, "cpu", seed=seed)
+        qo_indptr = _cumsum(qo_lens)
+        w.plan(qo_indptr, kv_indptr, kv_indices, last, 4, 4, 64)
+        check_batch(w, variant, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last, "NHD")
+
+
+def _simple():
+    kv_cache, kv_indptr, kv_indices, last = make_paged([10, 20], 2, 64, 16, "NHD",
+                                                       torch.float16, "cpu", seed=0)
+    return kv_cache, kv_indptr, kv_indices, last
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda a: {**a, "kv_indptr": torch.tensor([0, 2, 1], dtype=torch.int32)}, ValueError,
+     "non-decreasing"),
+    (lambda a: {**a, "kv_indices": torch.tensor([0, -1, 2], dtype=torch.int32)}, ValueError,
+     "negative page id"),
+    (lambda a: {**a, "kv_last_page_len": torch.tensor([0, 4], dtype=torch.int32)}, ValueError,
+     r"kv_last_page_len\[0\] is 0"),
+    (lambda a: {**a, "kv_last_page_len": torch.tensor([17, 4], dtype=torch.int32)}, ValueError,
+     "page_size"),
+    (lambda a: {**a, "qo_indptr": a["qo_indptr"].long()}, TypeError, "expected torch.int32"),
+    (lambda a: {**a, "num_qo_heads": 6, "num_kv_heads": 4}, ValueError, "multiple"),
+    (lambda a: {**a, "head_dim": 96}, ValueError, "head_dim"),
+    (lambda a: {**a, "kv_indptr": torch.tensor([0, 1, 9], dtype=torch.int32)}, ValueError,
+     "kv_indices has"),
+])
+def test_bad_plan_arguments(mutate, exc, match):
+    _, kv_indptr, kv_indices, last = _simple()
+    args = dict(qo_indptr=torch.tensor([0, 1, 2], dtype=torch.int32), kv_indptr=kv_indptr,
+                kv_indices=kv_indices, kv_last_page_len=last, num_qo_heads=4, num_kv_heads=2,
+                head_dim=64)
+    w = ja.BatchPrefill(ja.Variant("c"), page_size=16, device="cpu")
+    with pytest.raises(exc, match=match):
+        w.plan(**mutate(args))
+
+
+def test_run_checks_against_the_plan():
+    kv_cache, kv_indptr, kv_indices, last = _simple()
+    w = ja.BatchPrefill(ja.Variant("c"), page_size=16, device="cpu")
+    q = torch.randn(2, 4, 64, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="before plan"):
+        w.run(q, kv_cache)
+    w.plan(torch.tensor([0, 1, 2], dtype=torch.int32), kv_indptr, kv_indices, last, 4, 2, 64)
+    with pytest.raises(ValueError, match="the plan expects"):
+        w.run(q[:1], kv_cache)
+    with pytest.raises(TypeError, match="planned|plan was made"):
+        w.run(q.bfloat16(), tuple(c.bfloat16() for c in kv_cache))
+    with pytest.raises(ValueError, match="k_cache has shape"):
+        w.run(q, (kv_cache[0][..., :32].contiguous(), kv_cache[1]))
+    with pytest.raises(ValueError, match="refers to page"):
+        w.run(q, (kv_cache[0][:2].contiguous(), kv_cache[1][:2].contiguous()))
+
+
+def test_capacity_is_enforced():
+    kv_cache, kv_indptr, kv_indices, last = _simple()
+    w = ja.BatchPrefill(ja.Variant("c"), page_size=16, device="cpu", max_batch_size=1)
+    with pytest.raises(ValueError, match="max_batch_size=1"):
+        w.plan(torch.tensor([0, 1, 2], dtype=torch.int32), kv_indptr, kv_indices, last, 4, 2, 64)

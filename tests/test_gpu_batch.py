@@ -1,0 +1,112 @@
+"""BatchPrefill / BatchDecode on the GPU (``pytest -m gpu``): every built-in variant x fp16/bf16
+x NHD/HND x page sizes 1 and 16 against the reference; determinism; CUDA-graph replay across
+plans with different lengths."""
+
+import pytest
+import torch
+
+import jitattn as ja
+from jitattn import catalog, reference
+
+from helpers import TOL, check_batch, make_batch, make_paged
+
+pytestmark = pytest.mark.gpu
+BUILTIN = catalog.builtin()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+
+def _cumsum(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("layout, page_size", [("NHD", 16), ("HND", 1), ("NHD", 3)])
+def test_batch_matches_reference(name, dtype, layout, page_size):
+    for head_dim, (hq, hkv) in ((128, (32, 8)), (64, (7, 1)), (256, (4, 4))):
+        # prefill: mixed lengths incl. an empty query, q_len > kv_len, a one-token request
+        qo_lens, kv_lens = [0, 1, 45, 130, 7], [5, 600, 30, 130, 2000]
+        variant, params = BUILTIN[name].example(len(qo_lens), hq, hkv, max(qo_lens),
+                                                max(kv_lens), "cuda")
+        cache, kv_indptr, kv_indices, last = make_paged(kv_lens, hkv, head_dim, page_size,
+                                                        layout, dtype, "cuda", seed=head_dim)
+        q, *_ = make_batch(qo_lens, kv_lens, hq, hkv, head_dim, dtype, "cuda", seed=1)
+        qo_indptr = _cumsum(qo_lens)
+        w = ja.BatchPrefill(variant, page_size=page_size, kv_layout=layout)
+        w.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hkv, head_dim, q_dtype=dtype)
+        check_batch(w, variant, params, q, cache, qo_indptr, kv_indptr, kv_indices, last, layout)
+        # decode: one token per request, a long request split across CTAs
+        kv_lens = [1, 5000, 0, 77, 300, 16]
+        variant, params = BUILTIN[name].example(len(kv_lens), hq, hkv, 1, max(kv_lens), "cuda")
+        cache, kv_indptr, kv_indices, last = make_paged(kv_lens, hkv, head_dim, page_size,
+                                                        layout, dtype, "cuda", seed=7)
+        q, *_ = make_batch([1] * len(kv_lens), kv_lens, hq, hkv, head_dim, dtype, "cuda", 2)
+        d = ja.BatchDecode(variant, page_size=page_size, kv_layout=layout)
+        d.plan(kv_indptr, kv_indices, last, hq, hkv, head_dim, q_dtype=dtype)
+        check_batch(d, variant, params, q, cache, _cumsum([1] * len(kv_lens)), kv_indptr,
+                    kv_indices, last, layout)
+
+
+def test_deterministic_over_runs():
+    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    kv_lens = [9000, 100, 3000, 1]
+    cache, kv_indptr, kv_indices, last = make_paged(kv_lens, 8, 128, 16, "NHD", torch.float16,
+                                                    "cuda", seed=3)
+    q, *_ = make_batch([1] * 4, kv_lens, 32, 8, 128, torch.float16, "cuda", seed=3)
+    d = ja.BatchDecode(variant, page_size=16)
+    plan = d.plan(kv_indptr, kv_indices, last, 32, 8, 128)
+    assert len(plan.merge_rows) > 0
+    first = d.run(q, cache)
+    for _ in range(10):
+        assert torch.equal(d.run(q, cache), first)
+
+
+def test_cuda_graph_replays_across_plans():
+    variant = ja.Variant("alibi_like", score_mod=ja.soft_cap(20.0))
+    batch, hq, hkv, head_dim, page_size = 8, 32, 8, 128, 16
+    gen = torch.Generator().manual_seed(0)
+    lengths = [torch.randint(1, 3000, (batch,), generator=gen).tolist() for _ in range(5)]
+    lengths[2][0] = 20000  # one plan with a long request: more items and merges
+    num_pages = max(sum(-(-n // page_size) for n in lens) for lens in lengths) + 8
+    cache = tuple(torch.randn(num_pages, page_size, hkv, head_dim, generator=gen).half().cuda()
+                  for _ in range(2))
+    q = torch.empty(batch, hq, head_dim, dtype=torch.float16, device="cuda")
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")
+    d = ja.BatchDecode(variant, page_size=page_size)
+
+    def plan_for(lens, seed):
+        g = torch.Generator().manual_seed(seed)
+        pages = [-(-n // page_size) for n in lens]
+        perm = torch.randperm(num_pages, generator=g)[:sum(pages)].to(torch.int32)
+        indptr = _cumsum(pages)
+        last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lens, pages)],
+                            dtype=torch.int32)
+        d.plan(indptr, perm, last, hq, hkv, head_dim)
+        return indptr, perm, last
+
+    plan_for(lengths[0], 0)
+    q.copy_(torch.randn(batch, hq, head_dim, generator=gen).half())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        d.run(q, cache, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        d.run(q, cache, out=out, lse=lse)
+    for i, lens in enumerate(lengths):
+        indptr, indices, last = plan_for(lens, i)
+        q.copy_(torch.randn(batch, hq, head_dim, generator=gen).half())
+        graph.replay()
+        torch.cuda.synchronize()
+        k, v, tok = reference.paged_to_ragged(cache, indptr, indices, last, "NHD")
+        ref_o, ref_lse = reference.attention(q, k, v, variant, qo_indptr=_cumsum([1] * batch),
+                                             kv_indptr=tok, return_lse=True)
+        torch.testing.assert_close(out, ref_o.half(), **TOL[torch.float16])
+        torch.testing.assert_close(lse.double(), ref_lse, atol=3e-3, rtol=1e-4)
