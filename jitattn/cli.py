@@ -1,4 +1,4 @@
-"""The ``jitattn`` command line: doctor, cache ls | clear, compile <variant file>."""
+"""The ``jitattn`` command line: doctor, cache ls | clear, compile <variant file>, bench."""
 
 from __future__ import annotations
 
@@ -81,6 +81,11 @@ def _compile(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from . import bench  # imports the peers (SDPA, FlexAttention) only when asked
+    return bench.main(args.kind, args.quick, args.json)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jitattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +102,11 @@ def main(argv=None) -> int:
     b.add_argument("--arch", default="sm_90a", help="CUDA target, e.g. sm_90a, sm_80")
     b.add_argument("--cpu", action="store_true", help="build the CPU backend instead")
     b.set_defaults(fn=_compile)
+    r = sub.add_parser("bench", help="time jitattn beside SDPA and FlexAttention (GPU)")
+    r.add_argument("kind", choices=["decode", "prefill"])
+    r.add_argument("--quick", action="store_true", help="skip FlexAttention and long cases")
+    r.add_argument("--json", help="write the rows and metadata to this file")
+    r.set_defaults(fn=_bench)
     args = parser.parse_args(argv)
     if args.command == "compile" and not args.cpu and env.nvcc_path() is None:
         print("jitattn compile: nvcc not found; use --cpu or install the CUDA toolkit",

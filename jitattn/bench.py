@@ -1,0 +1,193 @@
+"""``jitattn bench decode | prefill``: jitattn beside torch SDPA (flash, cuDNN) and FlexAttention
+in one process on the GPU, with the device's copy bandwidth and GEMM rate measured in the same
+run. Median of many CUDA-event-timed runs on fresh random inputs (never zeros)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import jitattn as ja
+
+
+def timed(fn, *, reps: int = 50, warmup: int = 5) -> float:
+    """Median milliseconds of fn() over reps runs, each between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    """Device copy bandwidth (bytes read + written) and bf16 GEMM rate, measured now."""
+    src = torch.randn(1 << 30, dtype=torch.float16, device="cuda")  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), reps=20)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    gemm = timed(lambda: a @ b, reps=20)
+    return {"copy_TBps": 2 * src.numel() * 2 / ms / 1e9, "gemm_TFLOPs": 2 * 8192**3 / gemm / 1e9}
+
+
+def _sdpa(q, k, v, backend, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def run():
+        with sdpa_kernel(be):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    try:
+        run()
+        return run
+    except RuntimeError:
+        return None
+
+
+def _flex(q, k, v, causal, score_mod=None):
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    block_mask = None
+    if causal:
+        qlen, kvlen = q.shape[2], k.shape[2]
+        block_mask = create_block_mask(lambda b, h, qi, ki: ki <= qi + (kvlen - qlen), None,
+                                       None, qlen, kvlen)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def run():
+        return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
+    try:
+        run()
+        return run
+    except Exception:  # noqa: BLE001 -- a peer that fails to build is reported as missing
+        return None
+
+
+def _paged_decode_case(batch_lens, hq, hkv, head_dim, page_size, dtype, split_kv=True):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pages = [-(-n // page_size) for n in batch_lens]
+    num_pages = sum(pages)
+    cache = tuple(torch.randn(num_pages, page_size, hkv, head_dim, generator=gen,
+                              device="cuda", dtype=dtype) for _ in range(2))
+    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
+    indices = torch.randperm(num_pages, dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(batch_lens, pages)],
+                        dtype=torch.int32)
+    q = torch.randn(len(batch_lens), hq, head_dim, generator=gen, device="cuda", dtype=dtype)
+    w = ja.BatchDecode(ja.Variant("decode", mask="causal"), page_size=page_size,
+                       split_kv=split_kv)
+    w.plan(indptr, indices, last, hq, hkv, head_dim, q_dtype=dtype)
+    out = torch.empty_like(q)
+    return (lambda: w.run(q, cache, out=out)), cache
+
+
+def bench_decode(quick: bool = False) -> list[dict]:
+    rows = []
+    ceil = ceilings()
+    hq, hkv, d, page, dtype = 32, 8, 128, 16, torch.float16
+    for batch, kv_len in ((64, 4096), (16, 32768)):
+        kv_bytes = 2 * batch * kv_len * hkv * d * 2
+        run, _ = _paged_decode_case([kv_len] * batch, hq, hkv, d, page, dtype)
+        results = {"jitattn (paged)": timed(run)}
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        q = torch.randn(batch, hq, 1, d, generator=gen, device="cuda", dtype=dtype)
+        k = torch.randn(batch, hkv, kv_len, d, generator=gen, device="cuda", dtype=dtype)
+        v = torch.randn(batch, hkv, kv_len, d, generator=gen, device="cuda", dtype=dtype)
+        for name, fn in (("SDPA flash", _sdpa(q, k, v, "flash", False)),
+                         ("SDPA cuDNN", _sdpa(q, k, v, "cudnn", False)),
+                         ("FlexAttention", None if quick else _flex(q, k, v, False))):
+            if fn is not None:
+                results[name] = timed(fn)
+        for name, ms in results.items():
+            rows.append({"case": f"decode b{batch} kv{kv_len}", "impl": name, "ms": ms,
+                         "TBps": kv_bytes / ms / 1e9,
+                         "pct_copy": 100 * kv_bytes / ms / 1e9 / ceil["copy_TBps"]})
+    # skewed batch: one long request among short ones, with and without KV splitting
+    lens = [32768] + [512] * 63
+    kv_bytes = 2 * sum(lens) * hkv * d * 2
+    for label, split in (("balanced (split-KV)", True), ("no split", False)):
+        run, _ = _paged_decode_case(lens, hq, hkv, d, page, dtype, split_kv=split)
+        ms = timed(run)
+        rows.append({"case": "decode skewed 1x32768 + 63x512", "impl": f"jitattn {label}",
+                     "ms": ms, "TBps": kv_bytes / ms / 1e9,
+                     "pct_copy": 100 * kv_bytes / ms / 1e9 / ceil["copy_TBps"]})
+    for r in rows:
+        r.update(ceil)
+    return rows
+
+
+def bench_prefill(quick: bool = False) -> list[dict]:
+    rows = []
+    ceil = ceilings()
+    hq, d, dtype = 32, 128, torch.float16
+    cases = [(4, 4096)] if quick else [(4, 4096), (1, 16384)]
+    variants = [("causal", ja.Variant("causal", mask="causal"), None),
+                ("soft-cap 50", ja.Variant("softcap", score_mod=ja.soft_cap(50.0)),
+                 lambda s, b, h, qi, ki: 50.0 * torch.tanh(s / 50.0))]
+    for batch, seqlen in cases:
+        flops = 4 * batch * hq * seqlen * seqlen * d / 2  # causal: half the square
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        q = torch.randn(batch * seqlen, hq, d, generator=gen, device="cuda", dtype=dtype)
+        k = torch.randn(batch * seqlen, hq, d, generator=gen, device="cuda", dtype=dtype)
+        v = torch.randn(batch * seqlen, hq, d, generator=gen, device="cuda", dtype=dtype)
+        indptr = torch.arange(0, batch * seqlen + 1, seqlen, dtype=torch.int32)
+        qb, kb, vb = (t.view(batch, seqlen, hq, d).transpose(1, 2).contiguous()
+                      for t in (q, k, v))
+        for label, variant, flex_mod in variants:
+            results = {"jitattn": timed(lambda: ja.attention(q, k, v, variant, qo_indptr=indptr,
+                                                             kv_indptr=indptr), reps=5)}
+            if label == "causal":
+                for name, fn in (("SDPA flash", _sdpa(qb, kb, vb, "flash", True)),
+                                 ("SDPA cuDNN", _sdpa(qb, kb, vb, "cudnn", True))):
+                    if fn is not None:
+                        results[name] = timed(fn, reps=10)
+            if not quick:
+                fn = _flex(qb, kb, vb, True, flex_mod)
+                if fn is not None:
+                    results["FlexAttention"] = timed(fn, reps=10)
+            for name, ms in results.items():
+                rows.append({"case": f"prefill {label} {batch}x{hq}x{seqlen}", "impl": name,
+                             "ms": ms, "TFLOPs": flops / ms / 1e9})
+    for r in rows:
+        r.update(ceil)
+    return rows
+
+
+def report(rows: list[dict], json_path: str | None) -> str:
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "jitattn": ja.__version__}
+    lines = [f"{meta['date']}  {meta['gpu']}  torch {meta['torch']}  jitattn {meta['jitattn']}",
+             f"ceilings: copy {rows[0]['copy_TBps']:.2f} TB/s, bf16 GEMM "
+             f"{rows[0]['gemm_TFLOPs']:.0f} TFLOP/s",
+             f"| case | implementation | ms | {'TB/s | % of copy' if 'TBps' in rows[0] else 'TFLOP/s'} |",
+             "|---|---|---|---|" + ("---|" if "TBps" in rows[0] else "")]
+    for r in rows:
+        rate = f"{r['TBps']:.2f} | {r['pct_copy']:.0f}%" if "TBps" in r else f"{r['TFLOPs']:.1f}"
+        lines.append(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {rate} |")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return "\n".join(lines)
+
+
+def main(kind: str, quick: bool, json_path: str | None) -> int:
+    if not torch.cuda.is_available():
+        print("jitattn bench needs a CUDA GPU")
+        return 2
+    rows = bench_decode(quick) if kind == "decode" else bench_prefill(quick)
+    print(report(rows, json_path))
+    return 0 if all(math.isfinite(r["ms"]) for r in rows) else 1
