@@ -105,6 +105,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     """
     if not isinstance(variant, Variant):
         raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
+    if variant.mask in ("custom", "multi_item"):
+        raise ValueError(f"variant {variant.name!r} has mask={variant.mask!r}, whose data is "
+                         f"given to BatchPrefill.plan(); attention() takes none or causal")
     _check_qkv(q, k, v)
     total_q, hq, head_dim = q.shape
     hkv = k.shape[1]

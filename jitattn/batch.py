@@ -18,21 +18,12 @@ import numpy as np
 import torch
 
 from . import dtypes, jit, launch
+from . import masks as masks_mod
 from .plan import ITEM_FIELDS, Plan, make_plan
 from .render import HEAD_DIMS, tiles_for
 from .spec import Variant
 
 LAYOUTS = ("NHD", "HND")
-
-
-def _host_int32(name: str, t, *, allow_empty: bool = False) -> np.ndarray:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected torch.int32")
-    if t.dim() != 1 or (t.numel() == 0 and not allow_empty):
-        raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
-    return t.cpu().numpy()
 
 
 def _check_indptr(name: str, x: np.ndarray) -> None:
@@ -53,7 +44,8 @@ class BatchPrefill:
     device: where run() will be called ("cuda", "cuda:1" or "cpu").
     Capacities of the device workspace, fixed for the wrapper's life (plan() raises ValueError
     when a batch needs more): max_batch_size requests, max_num_pages entries in kv_indices,
-    max_work_items scheduled items, max_partial_rows split-KV partial states.
+    max_work_items scheduled items, max_partial_rows split-KV partial states, max_mask_bytes
+    of bit-packed custom mask, max_item_tokens multi-item token positions.
     split_kv: let the scheduler cut long KV ranges into chunks merged afterwards.
     Algorithm: FlashInfer (Ye et al. 2025, arXiv 2501.01005), sections 3.1 and 3.3.
     """
@@ -63,6 +55,7 @@ class BatchPrefill:
     def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD", *,
                  device="cuda", max_batch_size: int = 4096, max_num_pages: int = 1 << 20,
                  max_work_items: int = 1 << 16, max_partial_rows: int = 1 << 14,
+                 max_mask_bytes: int = 1 << 24, max_item_tokens: int = 1 << 20,
                  split_kv: bool = True):
         if not isinstance(variant, Variant):
             raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
@@ -76,7 +69,10 @@ class BatchPrefill:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.split_kv = split_kv
         self.capacity = dict(max_batch_size=max_batch_size, max_num_pages=max_num_pages,
-                             max_work_items=max_work_items, max_partial_rows=max_partial_rows)
+                             max_work_items=max_work_items, max_partial_rows=max_partial_rows,
+                             max_mask_bytes=max_mask_bytes, max_item_tokens=max_item_tokens)
+        self._mask_bits: torch.Tensor | None = None
+        self._token_pos: torch.Tensor | None = None
         self._plan: Plan | None = None
         self._ws: dict | None = None
         self._planned: dict = {}
@@ -84,7 +80,9 @@ class BatchPrefill:
     # -- plan -------------------------------------------------------------------------------------
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, *, q_dtype=torch.float16, kv_dtype=None,
-             sm_scale: float | None = None) -> Plan:
+             sm_scale: float | None = None, custom_mask=None, packed_custom_mask=None,
+             mask_indptr=None, prefix_len=None, token_pos_in_items=None,
+             max_item_len=None) -> Plan:
         """Schedule a batch; reused by every run() until the next plan().
 
         qo_indptr: [batch + 1] int32, request b's queries are rows qo_indptr[b]:qo_indptr[b+1]
@@ -93,17 +91,27 @@ class BatchPrefill:
             Host (CPU) tensors avoid a device sync.
         q_dtype / kv_dtype: torch.float16 or torch.bfloat16 (kv_dtype defaults to q_dtype).
         sm_scale: default 1 / sqrt(head_dim).
+        Mask "custom": custom_mask, flattened bool, row-major [qo_len, kv_len] per request
+            (length sum(qo_len * kv_len)); or packed_custom_mask (uint8, each request's bits
+            packed little-endian from byte mask_indptr[b]) with mask_indptr [batch + 1] int32.
+        Mask "multi_item" (SEEDS_DIGEST scheme 5a): prefix_len [batch] int32; token_pos_in_items
+            int32, for every token after a request's prefix its 1-based position in its item
+            (0 for a delimiter), concatenated over requests; max_item_len [batch] int32 (the
+            longest item; lets the schedule skip keys between items).
         Returns the Plan (``plan.describe()`` prints it). Raises TypeError / ValueError.
         """
-        qo = _host_int32("qo_indptr", qo_indptr)
+        qo = masks_mod.host_int32("qo_indptr", qo_indptr)
+        masks = dict(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
+                     mask_indptr=mask_indptr, prefix_len=prefix_len,
+                     token_pos_in_items=token_pos_in_items, max_item_len=max_item_len)
         return self._plan_batch(qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
-                                num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale)
+                                num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale, masks)
 
     def _plan_batch(self, qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
-                    num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale) -> Plan:
-        kv = _host_int32("kv_indptr", kv_indptr)
-        indices = _host_int32("kv_indices", kv_indices, allow_empty=True)
-        last = _host_int32("kv_last_page_len", kv_last_page_len, allow_empty=True)
+                    num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale, masks=None) -> Plan:
+        kv = masks_mod.host_int32("kv_indptr", kv_indptr)
+        indices = masks_mod.host_int32("kv_indices", kv_indices, allow_empty=True)
+        last = masks_mod.host_int32("kv_last_page_len", kv_last_page_len, allow_empty=True)
         _check_indptr("qo_indptr", qo)
         _check_indptr("kv_indptr", kv)
         batch = len(qo) - 1
@@ -144,14 +152,19 @@ class BatchPrefill:
                              f"{cap['max_num_pages']} given to the constructor")
         kv_lens = np.where(pages > 0, (pages - 1) * self.page_size + last, 0)
         qo_lens = np.diff(qo)
+        mask = masks_mod.mask_arrays(self.variant.mask, masks or {}, qo_lens, kv_lens,
+                                     self.capacity)
         kernel_kind = self._kind
         tiles = tiles_for(kernel_kind, head_dim)
         rows = tiles.rows_per_cta(kernel_kind)
         num_ctas = self._num_ctas(kernel_kind, q_dtype, head_dim)
         plan = make_plan(qo_lens, kv_lens, kv[:-1], num_qo_heads=num_qo_heads,
                          num_kv_heads=num_kv_heads, rows_per_cta=rows, num_ctas=num_ctas,
-                         causal=self.variant.mask == "causal",
-                         window_left=self.variant.window_left, split_kv=self.split_kv)
+                         causal=self.variant.mask in ("causal", "multi_item"),
+                         window_left=self.variant.window_left, split_kv=self.split_kv,
+                         mask_offsets=mask.get("mask_offsets"), prefix_lens=mask.get("prefix"),
+                         token_pos_offsets=mask.get("pos_offsets"),
+                         max_item_lens=mask.get("max_item"))
         if plan.num_items > cap["max_work_items"]:
             raise ValueError(f"the plan has {plan.num_items} work items, more than "
                              f"max_work_items={cap['max_work_items']} given to the constructor")
@@ -160,6 +173,7 @@ class BatchPrefill:
                              f"max_partial_rows={cap['max_partial_rows']} given to the "
                              f"constructor (or construct with split_kv=False)")
         self._upload(plan, indices[:kv[-1]], head_dim)
+        self._upload_mask(mask)
         self._plan = plan
         self._planned = dict(
             total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -169,6 +183,19 @@ class BatchPrefill:
             sizes=dict(batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                        qo_len=int(qo_lens.max(initial=0)), kv_len=int(kv_lens.max(initial=0))))
         return plan
+
+    def _upload_mask(self, mask: dict) -> None:
+        dev = self.device
+        if "bits" in mask:
+            if self._mask_bits is None:
+                self._mask_bits = torch.zeros(self.capacity["max_mask_bytes"], dtype=torch.uint8,
+                                              device=dev)
+            self._mask_bits[:len(mask["bits"])].copy_(torch.from_numpy(mask["bits"]))
+        if "pos" in mask:
+            if self._token_pos is None:
+                self._token_pos = torch.zeros(self.capacity["max_item_tokens"],
+                                              dtype=torch.int32, device=dev)
+            self._token_pos[:len(mask["pos"])].copy_(torch.from_numpy(mask["pos"]))
 
     def _num_ctas(self, kind, q_dtype, head_dim) -> int:
         if self.device.type == "cpu":
@@ -296,7 +323,8 @@ class BatchPrefill:
             requests=self._view("requests"), items=self._view("items"),
             cta_indptr=self._view("cta_indptr"), partial_o=ws["partial_o"],
             partial_lse=ws["partial_lse"], num_items=plan.num_items, num_ctas=plan.num_ctas,
-            rows_per_cta=plan.rows_per_cta)
+            rows_per_cta=plan.rows_per_cta, mask_bits=self._mask_bits,
+            token_pos=self._token_pos)
         kv = launch.KVView.paged(k_cache, v_cache, self._view("kv_indices"), self.kv_layout)
         launch.run_attention(q, kv, out, lse, self.variant, bound,
                              num_kv_heads=pl["num_kv_heads"], kind=self._kind, plan=device_plan,
@@ -326,7 +354,7 @@ class BatchDecode(BatchPrefill):
              num_kv_heads: int, head_dim: int, *, q_dtype=torch.float16, kv_dtype=None,
              sm_scale: float | None = None) -> Plan:
         """As BatchPrefill.plan without qo_indptr (one query per request)."""
-        kv = _host_int32("kv_indptr", kv_indptr)
+        kv = masks_mod.host_int32("kv_indptr", kv_indptr)
         qo = np.arange(len(kv), dtype=np.int32)
         return self._plan_batch(qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
                                 num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale)

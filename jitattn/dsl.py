@@ -3,8 +3,8 @@
 The functions have FlexAttention's signatures, ``score_mod(score, b, h, q_idx, kv_idx)`` and
 ``mask_mod(b, h, q_idx, kv_idx)``. They are called once with symbolic arguments; operator
 overloading records what they compute as a tree of :class:`Expr`. The tree has two readers:
-:func:`emit_cpp` (a C++ expression for the CUDA and CPU templates) and :func:`evaluate` (torch
-ops, used by ``reference.py``).
+:func:`emit_cpp` (a C++ expression for the CUDA and CPU templates) and ``evaluate.evaluate``
+(torch ops, used by ``reference.py``).
 
 Each node has a kind: ``"float"`` (computed in float32 by the kernels), ``"int"`` (int32) or
 ``"bool"``. Python floats become compile-time constants; :func:`scalar` and :func:`tensor` are
@@ -36,7 +36,7 @@ SHAPE_SYMBOLS = ("batch_size", "num_qo_heads", "num_kv_heads", "qo_len", "kv_len
 _IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,47}$")
 # names taken by attention()'s own keywords; generated C++ identifiers are prefixed (c_name)
 _RESERVED = set(SYMBOLS) | {"q", "k", "v", "out", "lse", "sm_scale", "return_lse", "qo_indptr",
-                            "kv_indptr", "variant"}
+                            "kv_indptr", "variant", "mask_data"}
 
 
 def c_name(name: str) -> str:
@@ -457,74 +457,3 @@ def emit_cpp(e: Expr) -> str:
     if op in ("+", "-", "*", "<", "<=", ">", ">=", "==", "!="):
         return f"({x[0]} {op} {x[1]})"
     raise AssertionError(f"unknown op {op}")
-
-
-# --------------------------------------------------------------------------------------------
-# torch evaluation (the reference's semantics: float64 for floats, int64 for ints)
-# --------------------------------------------------------------------------------------------
-def evaluate(e: Expr, env: dict, params: dict):
-    """Evaluate ``e`` with torch. ``env`` maps symbol names to broadcastable tensors; ``params``
-    maps parameter names to floats (scalars) or tensors."""
-    op, a = e.op, e.args
-    if op == "const":
-        return a[0]
-    if op == "sym":
-        return env[a[0]]
-    if op == "scalar":
-        return float(params[a[0].name])
-    if op == "index":
-        t, idx = params[a[0].name], a[1:]
-        lin = None
-        for d, ix in enumerate(idx):
-            i = torch.as_tensor(evaluate(ix, env, params)).clamp(0, t.shape[d] - 1)
-            lin = i if lin is None else lin * t.shape[d] + i
-        val = t.reshape(-1)[lin]
-        return val.double() if e.kind == "float" else (val.long() if e.kind == "int" else val)
-    x = [evaluate(y, env, params) if isinstance(y, Expr) else y for y in a]
-    T = torch.as_tensor
-    if op == "neg":
-        return -T(x[0]).long() if e.kind == "int" else -T(x[0])
-    if op == "~":
-        return ~T(x[0])
-    if op in ("tanh", "exp", "log", "sigmoid"):
-        return getattr(torch, op)(T(x[0], dtype=torch.float64).double())
-    if op == "abs":
-        return T(x[0]).long().abs() if e.kind == "int" else T(x[0]).abs()
-    if op in ("min", "max"):
-        f = torch.minimum if op == "min" else torch.maximum
-        return f(*_promote(e, x))
-    if op == "where":
-        return torch.where(T(x[0]), *_promote(e, x[1:]))
-    if op == "/":
-        return T(x[0]).double() / T(x[1]).double()
-    if op == "**":
-        return torch.pow(T(x[0]).double(), T(x[1]).double())
-    if op in ("//", "%"):
-        p, q = _promote(e, x)
-        if e.kind == "int":
-            safe = torch.where(q == 0, torch.ones_like(q), q)
-            r = torch.div(p, safe, rounding_mode="floor") if op == "//" else torch.remainder(p, safe)
-            return torch.where(q == 0, torch.zeros_like(r), r)
-        return torch.floor(p / q) if op == "//" else p - q * torch.floor(p / q)
-    if op in ("&", "|", "^"):
-        return {"&": torch.bitwise_and, "|": torch.bitwise_or, "^": torch.bitwise_xor}[op](
-            *(T(v) for v in x))
-    if op in ("+", "-", "*"):
-        p, q = _promote(e, x)
-        return {"+": p + q, "-": p - q, "*": p * q}[op]
-    if op in ("<", "<=", ">", ">=", "==", "!="):
-        p, q = (T(v) for v in x)
-        if p.is_floating_point() or q.is_floating_point():
-            p, q = p.double(), q.double()
-        return {"<": p < q, "<=": p <= q, ">": p > q, ">=": p >= q, "==": p == q,
-                "!=": p != q}[op]
-    raise AssertionError(f"unknown op {op}")
-
-
-def _promote(e: Expr, xs):
-    ts = [torch.as_tensor(v) for v in xs]
-    if e.kind == "float":
-        return [t.double() for t in ts]
-    if e.kind == "int":
-        return [t.long() for t in ts]
-    return ts

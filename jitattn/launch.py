@@ -53,6 +53,8 @@ class DevicePlan:
     num_items: int
     num_ctas: int
     rows_per_cta: int
+    mask_bits: torch.Tensor | None = None   # uint8, custom masks
+    token_pos: torch.Tensor | None = None   # int32, multi-item masks
 
 
 def output_buffer(name, t, shape, dtype, device):
@@ -83,8 +85,8 @@ def attention_args(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int
             ("ptr", _ptr(qo_indptr)), ("ptr", _ptr(kv_indptr)),
             ("ptr", _ptr(plan and plan.requests)), ("ptr", _ptr(plan and plan.items)),
             ("ptr", _ptr(plan and plan.cta_indptr)), ("ptr", _ptr(plan and plan.partial_o)),
-            ("ptr", _ptr(plan and plan.partial_lse)),
-            ("i32", single_qo_len), ("i32", single_kv_len), ("i32", batch),
+            ("ptr", _ptr(plan and plan.partial_lse)), ("ptr", _ptr(plan and plan.mask_bits)),
+            ("ptr", _ptr(plan and plan.token_pos)), ("i32", single_qo_len), ("i32", single_kv_len), ("i32", batch),
             ("i32", plan.num_items if plan else 0), ("i32", plan.rows_per_cta if plan else 0),
             ("i32", q.shape[1]), ("i32", num_kv_heads), ("i64", qs0), ("i32", qs1),
             ("ptr", _ptr(kv.kv_indices)), ("i32", kv.page_size),

@@ -22,15 +22,18 @@ import numpy as np
 
 KV_TILE = 32          # keys per shared-memory tile in the kernels
 ITEM_FIELDS = 8       # int32 per work item on the device
-REQUEST_FIELDS = 4    # int32 per request on the device: q_start, q_len, kv_len, kv_start
+REQUEST_FIELDS = 8    # int32 per request on the device: q_start, q_len, kv_len, kv_start,
+#                       mask_offset (bytes into the packed custom mask), prefix_len,
+#                       token_pos_offset (into token_pos_in_items), unused
 
 
 @dataclass(frozen=True)
 class Plan:
     """A schedule for one batch. Arrays are int32 numpy, laid out as the kernels read them.
 
-    requests: [batch, 4] (q_start, q_len, kv_len, kv_start); kv_start is the request's first
-        entry in kv_indices (paged) or its first row of k/v (ragged).
+    requests: [batch, 8] (q_start, q_len, kv_len, kv_start, mask_offset, prefix_len,
+        token_pos_offset, 0); kv_start is the request's first entry in kv_indices (paged) or its
+        first row of k/v (ragged); the mask fields serve the "custom" and "multi_item" masks.
     items: [num_items, 8] (request, kv_head, row0, kv_lo, kv_hi, partial_row, 0, 0), grouped by
         CTA; partial_row is -1 when the item writes out/lse directly, else the first of
         ``rows_per_cta`` partial-state rows it owns.
@@ -98,27 +101,55 @@ def kv_window(q_len: int, kv_len: int, g: int, row0: int, row_last: int, causal:
     return lo, max(lo, hi)
 
 
+def kv_spans(q_len: int, kv_len: int, g: int, row0: int, row_last: int, causal: bool,
+             window_left: int | None, prefix_len: int | None = None,
+             max_item_len: int | None = None) -> list[tuple[int, int]]:
+    """Disjoint KV spans rows [row0, row_last] can see. With a multi-item mask (prefix_len and
+    max_item_len given) rows inside the items see the prefix and at most max_item_len keys back
+    into their own item, so the keys between are skipped (tile skipping across items)."""
+    lo, hi = kv_window(q_len, kv_len, g, row0, row_last, causal, window_left)
+    if prefix_len is None or max_item_len is None:
+        return [(lo, hi)]
+    first = kv_len - q_len + row0 // g
+    item_lo = max(prefix_len, first - max_item_len + 1)
+    if first < prefix_len or item_lo <= prefix_len:
+        return [(lo, hi)]
+    spans = [(lo, min(hi, prefix_len)), (max(lo, item_lo), hi)]
+    return [(a, b) for a, b in spans if b > a] or [(lo, lo)]
+
+
 def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: int,
               rows_per_cta: int, num_ctas: int, causal: bool, window_left: int | None,
-              split_kv: bool = True, alpha: float = 1.0, beta: float = 1.0) -> Plan:
-    """Schedule a batch. qo_lens / kv_lens / kv_starts: per request (host ints)."""
+              split_kv: bool = True, alpha: float = 1.0, beta: float = 1.0,
+              mask_offsets=None, prefix_lens=None, token_pos_offsets=None,
+              max_item_lens=None) -> Plan:
+    """Schedule a batch. qo_lens / kv_lens / kv_starts: per request (host ints). The mask
+    arrays (per request) are copied into the request table; prefix_lens with max_item_lens
+    enable tile skipping for multi-item masks."""
     g = num_qo_heads // num_kv_heads
     batch = len(qo_lens)
     q_starts = np.concatenate([[0], np.cumsum(qo_lens)[:-1]]) if batch else np.zeros(0)
-    requests = np.zeros((batch, 4), dtype=np.int32)
+    requests = np.zeros((batch, REQUEST_FIELDS), dtype=np.int32)
     if batch:
         requests[:, 0], requests[:, 1] = q_starts, qo_lens
         requests[:, 2], requests[:, 3] = kv_lens, kv_starts
+        for col, values in ((4, mask_offsets), (5, prefix_lens), (6, token_pos_offsets)):
+            if values is not None:
+                requests[:, col] = values
 
-    # query tiles and the KV range each can see
+    # query tiles and the KV spans each can see (one tile per span)
     tiles = []  # (request, kv_head, row0, lo, hi)
     for b in range(batch):
         rows = int(qo_lens[b]) * g
+        multi = prefix_lens is not None and max_item_lens is not None
         for row0 in range(0, rows, rows_per_cta):
-            lo, hi = kv_window(int(qo_lens[b]), int(kv_lens[b]), g, row0,
-                               min(row0 + rows_per_cta, rows) - 1, causal, window_left)
+            spans = kv_spans(int(qo_lens[b]), int(kv_lens[b]), g, row0,
+                             min(row0 + rows_per_cta, rows) - 1, causal, window_left,
+                             int(prefix_lens[b]) if multi else None,
+                             int(max_item_lens[b]) if multi else None)
             for hk in range(num_kv_heads):
-                tiles.append((b, hk, row0, lo, hi))
+                for lo, hi in spans:
+                    tiles.append((b, hk, row0, lo, hi))
     total = sum(hi - lo for *_, lo, hi in tiles)
     cap = max(1, math.ceil(total / max(1, num_ctas))) if split_kv else 1 << 30
     cap = -(-cap // KV_TILE) * KV_TILE
@@ -143,36 +174,35 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
         assigned[cta].append((cid, t, lo, hi, cost))
         heapq.heappush(heap, (load + cost, cta))
 
-    # partial rows for tiles cut into several chunks
-    per_tile = {}
+    # partial rows for row tiles whose keys are cut into several chunks (or spans)
+    per_tile = {}  # (request, kv_head, row0) -> chunk spans
     for _, _, t, lo, hi in chunks:
-        per_tile.setdefault(t, []).append((lo, hi))
-    partial_of = {}  # (tile, lo) -> first partial row
+        per_tile.setdefault(tiles[t][:3], []).append((lo, hi))
+    partial_of = {}  # (request, kv_head, row0, lo) -> first partial row
     next_row = 0
-    for t, spans in per_tile.items():
+    for key, spans in per_tile.items():
         if len(spans) > 1:
             for lo, _ in spans:
-                partial_of[(t, lo)] = next_row
+                partial_of[(*key, lo)] = next_row
                 next_row += rows_per_cta
 
     items, costs, cta_indptr = [], [], [0]
     for cta in range(num_ctas):
         for cid, t, lo, hi, cost in assigned[cta]:
             b, hk, row0, _, _ = tiles[t]
-            items.append((b, hk, row0, lo, hi, partial_of.get((t, lo), -1), 0, 0))
+            items.append((b, hk, row0, lo, hi, partial_of.get((b, hk, row0, lo), -1), 0, 0))
             costs.append(cost)
         cta_indptr.append(len(items))
 
     merge_indptr, merge_rows, merge_slots = [0], [], []
-    for t, spans in per_tile.items():
+    for (b, hk, row0), spans in per_tile.items():
         if len(spans) < 2:
             continue
-        b, hk, row0, _, _ = tiles[t]
         rows = int(qo_lens[b]) * g
         for r in range(row0, min(row0 + rows_per_cta, rows)):
             token = int(q_starts[b]) + r // g
             merge_rows.append(token * num_qo_heads + hk * g + r % g)
-            merge_slots += [partial_of[(t, lo)] + (r - row0) for lo, _ in sorted(spans)]
+            merge_slots += [partial_of[(b, hk, row0, lo)] + (r - row0) for lo, _ in sorted(spans)]
             merge_indptr.append(len(merge_slots))
 
     as_i32 = lambda x, shape=(-1,): np.asarray(x, dtype=np.int32).reshape(shape)  # noqa: E731

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from . import dsl
+from .evaluate import evaluate
 from .spec import Variant
 
 
@@ -31,8 +31,12 @@ def rope(x: torch.Tensor, positions: torch.Tensor, variant: Variant) -> torch.Te
 
 
 def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_scale=None,
-              return_lse=False, **params):
+              return_lse=False, mask_data: dict | None = None, **params):
     """Reference of :func:`jitattn.attention`; same arguments, outputs in float64.
+
+    mask_data, for mask "custom": {"custom_mask": flattened bool, row-major [qo_len, kv_len] per
+    request}; for mask "multi_item": {"prefix_len": [batch], "token_pos_in_items": for every
+    token after a request's prefix its 1-based position inside its item, concatenated}.
 
     q [total_q, Hq, D], k/v [total_kv, Hkv, D]; out [total_q, Hq, D]; lse [total_q, Hq] (natural
     log; -inf for rows that see no key).
@@ -50,7 +54,20 @@ def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_s
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out = torch.zeros(total_q, hq, d, dtype=torch.float64, device=q.device)
     lse = torch.full((total_q, hq), -math.inf, dtype=torch.float64, device=q.device)
+    mask_data = mask_data or {}
+    custom_mask = mask_data.get("custom_mask")
+    prefix_len, token_pos_in_items = mask_data.get("prefix_len"), mask_data.get("token_pos_in_items")
+    mask_at, pos_at = 0, 0
     for b in range(batch):
+        lq_b, lk_b = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
+        own_mask = own_pos = None
+        if variant.mask == "custom":
+            own_mask = custom_mask[mask_at:mask_at + lq_b * lk_b].reshape(lq_b, lk_b)
+            mask_at += lq_b * lk_b
+        if variant.mask == "multi_item":
+            p_b = int(prefix_len[b])
+            own_pos = token_pos_in_items[pos_at:pos_at + lk_b - p_b].to(q.device).long()
+            pos_at += lk_b - p_b
         qi, ki, vi = (q[qo[b]:qo[b + 1]].double(), k[kv[b]:kv[b + 1]].double(),
                       v[kv[b]:kv[b + 1]].double())
         lq, lk = qi.shape[0], ki.shape[0]
@@ -66,15 +83,23 @@ def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_s
                    h=torch.arange(hq, device=q.device)[:, None, None],
                    q_idx=q_pos[None, :, None], kv_idx=kv_pos[None, None, :])
         if variant.score is not None:
-            s = torch.as_tensor(dsl.evaluate(variant.score.expr, env, bound)).double()
+            s = torch.as_tensor(evaluate(variant.score.expr, env, bound)).double()
             s = s.expand(hq, lq, lk)
         visible = torch.ones(hq, lq, lk, dtype=torch.bool, device=q.device)
-        if variant.mask == "causal":
+        if variant.mask in ("causal", "multi_item"):
             visible &= env["kv_idx"] <= env["q_idx"]
+        if own_mask is not None:
+            visible &= own_mask.to(q.device)[None]
+        if own_pos is not None and own_pos.numel() == 0:
+            visible &= env["kv_idx"] < p_b
+        elif own_pos is not None:  # items see the prefix and, causally, their own item only
+            q_in_items = env["q_idx"] >= p_b
+            start = env["q_idx"] - own_pos[(env["q_idx"] - p_b).clamp(min=0)] + 1
+            visible &= (env["kv_idx"] < p_b) | (q_in_items & (env["kv_idx"] >= start))
         if variant.window_left is not None:
             visible &= env["q_idx"] - env["kv_idx"] <= variant.window_left
         if variant.mask_pred is not None:
-            visible &= torch.as_tensor(dsl.evaluate(variant.mask_pred.expr, env, bound))
+            visible &= torch.as_tensor(evaluate(variant.mask_pred.expr, env, bound))
         if variant.reduction == "sigmoid":
             p = torch.where(visible, torch.sigmoid(s), 0.0)
             o, total = torch.einsum("hqk,khd->qhd", p, vi), p.sum(-1).T

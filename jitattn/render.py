@@ -115,6 +115,7 @@ def render_variant(variant: Variant, *, backend: str, head_dim: int) -> str:
     freqs = [repr(float(f)) + "f" for f in rope.inv_freq(head_dim)] if rope else ["0.0f"]
     return _environment().get_template("common/variant.h.j2").render(
         variant=variant, version=__version__, param_fields=decls,
+        mask_mode=("none", "causal", "custom", "multi_item").index(variant.mask),
         score_expr=variant.score.cpp if variant.score else "score",
         mask_expr=variant.mask_pred.cpp if variant.mask_pred else "true",
         rope_mode=0 if rope is None else (1 if rope.style == "neox" else 2),

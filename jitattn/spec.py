@@ -21,7 +21,7 @@ import torch
 from . import dsl, dtypes
 from .dsl import ScalarParam, SpecError, TensorParam
 
-MASKS = ("none", "causal")
+MASKS = ("none", "causal", "custom", "multi_item")
 REDUCTIONS = ("softmax", "sigmoid")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -91,8 +91,10 @@ class Variant:
     """An attention variant: what the attention computes (dtypes and shapes come at call time).
 
     name: identifier used in cache names ([A-Za-z0-9][A-Za-z0-9_.-]*).
-    mask: ``"none"`` or ``"causal"`` (bottom-right aligned: query i of a request sees keys
-        j <= kv_len - qo_len + i).
+    mask: ``"none"``; ``"causal"`` (bottom-right aligned: query i of a request sees keys
+        j <= kv_len - qo_len + i); ``"custom"`` (an explicit boolean mask per request, given to
+        BatchPrefill.plan); ``"multi_item"`` (a shared prefix seen causally plus items that see
+        the prefix and, causally, only their own item; metadata given to BatchPrefill.plan).
     window_left: sliding window, keys with q_idx - kv_idx > window_left are hidden; None or -1
         means unlimited. Inclusive: window_left=0 keeps only the diagonal.
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> float``; score is q.k * sm_scale.
@@ -104,7 +106,7 @@ class Variant:
     """
 
     name: str
-    mask: Literal["none", "causal"] = "causal"
+    mask: Literal["none", "causal", "custom", "multi_item"] = "causal"
     window_left: int | None = None
     score_mod: Callable | None = None
     mask_mod: Callable | None = None

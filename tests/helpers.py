@@ -72,14 +72,15 @@ def make_paged(kv_lens, hkv, head_dim, page_size, layout, dtype, device, seed, e
 
 
 def check_batch(wrapper, variant, params, q, kv_cache, qo_indptr, kv_indptr, kv_indices, last,
-                layout):
+                layout, **mask):
     """Run a planned wrapper into NaN-poisoned outputs and compare with the reference."""
     out = torch.full(q.shape, math.nan, dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device)
     wrapper.run(q, kv_cache, out=out, lse=lse, **params)
     k, v, token_indptr = reference.paged_to_ragged(kv_cache, kv_indptr, kv_indices, last, layout)
     ref_out, ref_lse = reference.attention(q, k, v, variant, qo_indptr=qo_indptr,
-                                           kv_indptr=token_indptr, return_lse=True, **params)
+                                           kv_indptr=token_indptr, return_lse=True,
+                                           mask_data=mask, **params)
     assert not out.isnan().any(), "unwritten or NaN output"
     assert not lse.isnan().any(), "unwritten or NaN lse"
     torch.testing.assert_close(out, ref_out.to(out.dtype), **TOL[q.dtype])

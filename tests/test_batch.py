@@ -111,3 +111,94 @@ def test_capacity_is_enforced():
     w = ja.BatchPrefill(ja.Variant("c"), page_size=16, device="cpu", max_batch_size=1)
     with pytest.raises(ValueError, match="max_batch_size=1"):
         w.plan(torch.tensor([0, 1, 2], dtype=torch.int32), kv_indptr, kv_indices, last, 4, 2, 64)
+
+
+def multi_item_layout(prefix, item_lens):
+    """Token positions inside items for one request: [1..n] per item (seed scheme 5a)."""
+    return [i + 1 for n in item_lens for i in range(n)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_custom_mask_matches_reference(page_size):
+    variant = ja.Variant("tree", mask="custom")
+    qo_lens, kv_lens = [4, 1, 9], [10, 33, 9]
+    cache, kv_indptr, kv_indices, last = make_paged(kv_lens, 2, 64, page_size, "HND",
+                                                    torch.float16, "cpu", seed=11)
+    q, *_ = make_batch(qo_lens, kv_lens, 4, 2, 64, torch.float16, "cpu", seed=12)
+    gen = torch.Generator().manual_seed(13)
+    flat = torch.rand(sum(a * b for a, b in zip(qo_lens, kv_lens)), generator=gen) < 0.5
+    flat[:10] = False  # the first query row of request 0 sees nothing: 0 / -inf
+    qo_indptr = _cumsum(qo_lens)
+    w = ja.BatchPrefill(variant, page_size=page_size, kv_layout="HND", device="cpu")
+    w.plan(qo_indptr, kv_indptr, kv_indices, last, 4, 2, 64, custom_mask=flat)
+    out, lse = check_batch(w, variant, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last,
+                           "HND", custom_mask=flat)
+    assert (lse[0] == float("-inf")).all() and (out[0] == 0).all()
+    # the same mask pre-packed (segment_packbits style) gives the same result
+    import numpy as np
+    sizes = [a * b for a, b in zip(qo_lens, kv_lens)]
+    bounds = np.cumsum([0] + sizes)
+    segs = [np.packbits(flat.numpy()[bounds[i]:bounds[i + 1]], bitorder="little")
+            for i in range(3)]
+    packed = torch.from_numpy(np.concatenate(segs))
+    mask_indptr = torch.tensor(np.cumsum([0] + [len(x) for x in segs]), dtype=torch.int32)
+    w.plan(qo_indptr, kv_indptr, kv_indices, last, 4, 2, 64, packed_custom_mask=packed,
+           mask_indptr=mask_indptr)
+    torch.testing.assert_close(w.run(q, cache), out)
+
+
+def test_multi_item_mask_matches_reference_and_skips_tiles():
+    variant = ja.Variant("multi", mask="multi_item")
+    prefix, items = 96, [4, 4, 7, 1]
+    total = prefix + sum(items)
+    pos = torch.tensor(multi_item_layout(prefix, items), dtype=torch.int32)
+    # two requests: the seed's layout, and one whose prefix is not a multiple of the page size
+    prefix_len = torch.tensor([prefix, 40], dtype=torch.int32)
+    pos2 = torch.tensor(multi_item_layout(40, [30, 3]), dtype=torch.int32)
+    qo_lens = kv_lens = [total, 40 + 33]
+    cache, kv_indptr, kv_indices, last = make_paged(kv_lens, 2, 64, 16, "NHD", torch.bfloat16,
+                                                    "cpu", seed=21)
+    q, *_ = make_batch(qo_lens, kv_lens, 8, 2, 64, torch.bfloat16, "cpu", seed=22)
+    qo_indptr = _cumsum(qo_lens)
+    token_pos = torch.cat([pos, pos2])
+    max_item_len = torch.tensor([7, 30], dtype=torch.int32)
+    w = ja.BatchPrefill(variant, page_size=16, device="cpu")
+    plan = w.plan(qo_indptr, kv_indptr, kv_indices, last, 8, 2, 64, q_dtype=torch.bfloat16,
+                  prefix_len=prefix_len, token_pos_in_items=token_pos, max_item_len=max_item_len)
+    check_batch(w, variant, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last, "NHD",
+                prefix_len=prefix_len, token_pos_in_items=token_pos)
+    # tile skipping: rows inside the items never scan keys between the prefix and
+    # max_item_len before their first query
+    skipped = 0
+    for b, hk, row0, lo, hi, *_ in plan.items[plan.items[:, 0] == 0].tolist():
+        gap_end = row0 // 4 - 7 + 1  # GQA group 4; max_item_len 7
+        if row0 // 4 >= prefix and gap_end > prefix:
+            assert hi <= prefix or lo >= gap_end
+            skipped += lo >= gap_end
+    assert skipped > 0
+
+
+def test_mask_arguments_are_checked():
+    cache, kv_indptr, kv_indices, last = make_paged([10, 20], 2, 64, 16, "NHD", torch.float16,
+                                                    "cpu", seed=0)
+    qo = torch.tensor([0, 1, 2], dtype=torch.int32)
+    custom = ja.BatchPrefill(ja.Variant("c", mask="custom"), device="cpu")
+    with pytest.raises(ValueError, match="needs custom_mask"):
+        custom.plan(qo, kv_indptr, kv_indices, last, 4, 2, 64)
+    with pytest.raises(ValueError, match="expected sum"):
+        custom.plan(qo, kv_indptr, kv_indices, last, 4, 2, 64,
+                    custom_mask=torch.ones(29, dtype=torch.bool))
+    plain = ja.BatchPrefill(ja.Variant("p"), device="cpu")
+    with pytest.raises(ValueError, match="mask is 'causal'"):
+        plain.plan(qo, kv_indptr, kv_indices, last, 4, 2, 64,
+                   custom_mask=torch.ones(30, dtype=torch.bool))
+    multi = ja.BatchPrefill(ja.Variant("m", mask="multi_item"), device="cpu")
+    with pytest.raises(ValueError, match="token_pos_in_items of request 0"):
+        multi.plan(qo, kv_indptr, kv_indices, last, 4, 2, 64,
+                   prefix_len=torch.tensor([5, 5], dtype=torch.int32),
+                   token_pos_in_items=torch.full((20,), 9, dtype=torch.int32),
+                   max_item_len=torch.tensor([4, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="BatchPrefill.plan"):
+        ja.attention(torch.randn(3, 4, 64, dtype=torch.float16),
+                     torch.randn(3, 2, 64, dtype=torch.float16),
+                     torch.randn(3, 2, 64, dtype=torch.float16), ja.Variant("c", mask="custom"))

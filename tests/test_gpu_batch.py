@@ -110,3 +110,35 @@ def test_cuda_graph_replays_across_plans():
                                              kv_indptr=tok, return_lse=True)
         torch.testing.assert_close(out, ref_o.half(), **TOL[torch.float16])
         torch.testing.assert_close(lse.double(), ref_lse, atol=3e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_custom_and_multi_item_masks_gpu(dtype):
+    qo_lens, kv_lens = [4, 1, 70], [10, 33, 300]
+    cache, kv_indptr, kv_indices, last = make_paged(kv_lens, 2, 128, 16, "NHD", dtype, "cuda",
+                                                    seed=31)
+    q, *_ = make_batch(qo_lens, kv_lens, 8, 2, 128, dtype, "cuda", seed=32)
+    qo_indptr = _cumsum(qo_lens)
+    gen = torch.Generator().manual_seed(33)
+    flat = torch.rand(sum(a * b for a, b in zip(qo_lens, kv_lens)), generator=gen) < 0.3
+    custom = ja.Variant("tree", mask="custom")
+    w = ja.BatchPrefill(custom, page_size=16)
+    w.plan(qo_indptr, kv_indptr, kv_indices, last, 8, 2, 128, q_dtype=dtype, custom_mask=flat)
+    check_batch(w, custom, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last, "NHD",
+                custom_mask=flat)
+
+    multi = ja.Variant("multi", mask="multi_item")
+    prefix, items = 96, [4, 4, 7, 1, 20]
+    total = prefix + sum(items)
+    pos = torch.tensor([i + 1 for n in items for i in range(n)], dtype=torch.int32)
+    cache, kv_indptr, kv_indices, last = make_paged([total], 2, 128, 16, "NHD", dtype, "cuda",
+                                                    seed=34)
+    q, *_ = make_batch([total], [total], 8, 2, 128, dtype, "cuda", seed=35)
+    qo_indptr = _cumsum([total])
+    prefix_len = torch.tensor([prefix], dtype=torch.int32)
+    w = ja.BatchPrefill(multi, page_size=16)
+    w.plan(qo_indptr, kv_indptr, kv_indices, last, 8, 2, 128, q_dtype=dtype,
+           prefix_len=prefix_len, token_pos_in_items=pos,
+           max_item_len=torch.tensor([20], dtype=torch.int32))
+    check_batch(w, multi, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last, "NHD",
+                prefix_len=prefix_len, token_pos_in_items=pos)

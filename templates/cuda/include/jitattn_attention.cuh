@@ -32,22 +32,49 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 // Where one request's rows live: q_start/q_len index q and out; kv_start is the request's first
 // row of k/v (ragged) or its first entry in kv_indices (paged).
+// mask_offset, prefix_len and token_pos_offset serve the custom and multi-item masks.
 struct Request {
-  int q_start, q_len, kv_start, kv_len;
+  int q_start, q_len, kv_start, kv_len, mask_offset, prefix_len, token_pos_offset;
 };
 
-// From a plan's request table ([batch][4]: q_start, q_len, kv_len, kv_start), from indptrs, or
-// for a single request from the lengths.
+// From a plan's request table ([batch][8]: q_start, q_len, kv_len, kv_start, mask_offset,
+// prefix_len, token_pos_offset, -), from indptrs, or for a single request from the lengths.
 __device__ __forceinline__ Request get_request(const int* requests, const int* qo_indptr,
                                                const int* kv_indptr, int single_qo_len,
                                                int single_kv_len, int b) {
   if (requests != nullptr) {
-    const int* r = requests + 4 * b;
-    return {r[0], r[1], r[3], r[2]};
+    const int4 x = reinterpret_cast<const int4*>(requests)[2 * b];
+    const int4 y = reinterpret_cast<const int4*>(requests)[2 * b + 1];
+    return {x.x, x.y, x.w, x.z, y.x, y.y, y.z};
   }
-  if (qo_indptr == nullptr) return {0, single_qo_len, 0, single_kv_len};
+  if (qo_indptr == nullptr) return {0, single_qo_len, 0, single_kv_len, 0, 0, 0};
   return {qo_indptr[b], qo_indptr[b + 1] - qo_indptr[b], kv_indptr[b],
-          kv_indptr[b + 1] - kv_indptr[b]};
+          kv_indptr[b + 1] - kv_indptr[b], 0, 0, 0};
+}
+
+// Data of the "custom" (bit-packed, little-endian bit order, row-major [q_len][kv_len] per
+// request from byte mask_offset) and "multi_item" (1-based position of each token after the
+// prefix inside its item; 0 marks a delimiter) masks.
+struct MaskData {
+  const unsigned char* bits;
+  const int* token_pos;
+};
+
+// Whether query qi (at position q_pos) of request `req` may see key kv_idx under the
+// variant's data-carrying mask; true for the other masks.
+__device__ __forceinline__ bool data_mask(const Request& req, const MaskData& md, int qi,
+                                          int q_pos, int kv_idx) {
+  if constexpr (Variant::MASK_MODE == 2) {
+    const long long bit = (long long)qi * req.kv_len + kv_idx;
+    return (md.bits[req.mask_offset + (bit >> 3)] >> (bit & 7)) & 1;
+  } else if constexpr (Variant::MASK_MODE == 3) {
+    // prefix keys: causal (applied by the caller); item keys: only from the query's own item
+    if (kv_idx < req.prefix_len) return true;
+    return q_pos >= req.prefix_len &&
+           kv_idx > q_pos - md.token_pos[req.token_pos_offset + q_pos - req.prefix_len];
+  } else {
+    return true;
+  }
 }
 
 // Element offset of logical key j of a request in a K or V cache. Paged: the page table maps j to
@@ -149,7 +176,8 @@ template <typename DType, int ROWS, int HEAD_DIM>
 __device__ __forceinline__ void update_rows(RowState<ROWS, HEAD_DIM>& st, const RowInfo* rows,
                                             const float* q_s, const DType* k_s,
                                             const DType* v_s, int tile_start, int tile_end,
-                                            int b, const VariantParams& p, int lane) {
+                                            int b, const Request& req, const MaskData& md,
+                                            const VariantParams& p, int lane) {
   using P = Pair<DType>;
   using T2 = typename P::T2;
   constexpr int ROW = HEAD_DIM + SMEM_PAD;
@@ -174,6 +202,7 @@ __device__ __forceinline__ void update_rows(RowState<ROWS, HEAD_DIM>& st, const 
     bool vis = kv_idx < tile_end;
     if (Variant::CAUSAL) vis = vis && kv_idx <= q_pos;
     if (Variant::WINDOW_LEFT >= 0) vis = vis && q_pos - kv_idx <= Variant::WINDOW_LEFT;
+    vis = vis && data_mask(req, md, rows[r].qi, q_pos, kv_idx);
     vis = vis && Variant::mask_mod(p, b, rows[r].h, q_pos, kv_idx);
     const float score = Variant::score_mod(p, s[r], b, rows[r].h, q_pos, kv_idx);
     float pj, alpha;

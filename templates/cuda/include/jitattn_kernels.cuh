@@ -23,6 +23,7 @@ struct Args {
   const int* cta_indptr; // plan: [num_ctas + 1]
   float* partial_o;      // plan: [partial rows][HEAD_DIM]
   float* partial_lse;    // plan: [partial rows]
+  MaskData mask;         // plan: custom / multi-item mask data
   int single_qo_len, single_kv_len;
   int num_qo_heads, num_kv_heads;
   long long q_stride_n;
@@ -158,7 +159,8 @@ __device__ __forceinline__ void prefill(const Args<DType>& a, const VariantParam
       __syncthreads();
       update_rows<DType, ROWS_PER_WARP, HEAD_DIM>(st, rows,
                                                   q_s + warp * ROWS_PER_WARP * HEAD_DIM, k_s,
-                                                  v_s, t0, range.y, w.b, p, lane);
+                                                  v_s, t0, range.y, w.b, req, a.mask, p,
+                                                  lane);
     }
 #pragma unroll
     for (int r = 0; r < ROWS_PER_WARP; ++r) {
@@ -206,7 +208,8 @@ __device__ __forceinline__ void decode(const Args<DType>& a, const VariantParams
       __syncwarp();
       rope_k_tile<DType, HEAD_DIM>(k_s, t0, lane, WARP);
       __syncwarp();
-      update_rows<DType, ROWS, HEAD_DIM>(st, rows, q_s, k_s, v_s, t0, range.y, w.b, p, lane);
+      update_rows<DType, ROWS, HEAD_DIM>(st, rows, q_s, k_s, v_s, t0, range.y, w.b, req,
+                                         a.mask, p, lane);
     }
     // Merge the warps' states through shared memory (reusing the tile area).
     __syncthreads();

@@ -1,0 +1,109 @@
+"""Data of the "custom" and "multi_item" masks given to BatchPrefill.plan(): validation, bit
+packing (FlashInfer's segment_packbits layout: each request's row-major [qo_len, kv_len] bits
+packed little-endian from its own byte offset) and the per-request offsets the kernels read.
+Multi-item scoring is SEEDS_DIGEST.md scheme 5a."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def host_int32(name: str, t, *, allow_empty: bool = False) -> np.ndarray:
+    """A validated host copy of a 1-D int32 tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected torch.int32")
+    if t.dim() != 1 or (t.numel() == 0 and not allow_empty):
+        raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
+    return t.cpu().numpy()
+
+
+def mask_arrays(mode: str, masks: dict, qo_lens, kv_lens, cap: dict) -> dict:
+    """Validate the mask data of a plan; returns host arrays for the request table and
+    the bytes / positions to upload."""
+    given = {k for k, v in masks.items() if v is not None}
+    allowed = {"custom": {"custom_mask", "packed_custom_mask", "mask_indptr"},
+               "multi_item": {"prefix_len", "token_pos_in_items", "max_item_len"}}
+    extra = given - allowed.get(mode, set())
+    if extra:
+        raise ValueError(f"{sorted(extra)} given to plan() but the variant's mask is "
+                         f"{mode!r}")
+    batch = len(qo_lens)
+    if mode == "custom":
+        sizes = qo_lens.astype(np.int64) * kv_lens
+        if masks.get("custom_mask") is not None:
+            flat = masks["custom_mask"]
+            if not isinstance(flat, torch.Tensor) or flat.dtype != torch.bool or \
+                    flat.dim() != 1:
+                raise TypeError("custom_mask must be a 1-D torch.bool tensor")
+            if flat.numel() != sizes.sum():
+                raise ValueError(f"custom_mask has {flat.numel()} entries; expected "
+                                 f"sum(qo_len * kv_len) = {int(sizes.sum())}")
+            flat = flat.cpu().numpy()
+            bounds = np.concatenate([[0], np.cumsum(sizes)])
+            segments = [np.packbits(flat[bounds[b]:bounds[b + 1]], bitorder="little")
+                        for b in range(batch)]
+            offsets = np.concatenate([[0], np.cumsum([len(x) for x in segments])])
+            bits = np.concatenate(segments) if segments else np.zeros(0, np.uint8)
+        elif masks.get("packed_custom_mask") is not None:
+            if masks.get("mask_indptr") is None:
+                raise ValueError("packed_custom_mask needs mask_indptr")
+            packed = masks["packed_custom_mask"]
+            if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+                raise TypeError("packed_custom_mask must be a torch.uint8 tensor")
+            offsets = host_int32("mask_indptr", masks["mask_indptr"]).astype(np.int64)
+            if len(offsets) != batch + 1:
+                raise ValueError(f"mask_indptr has {len(offsets)} entries; expected "
+                                 f"{batch + 1}")
+            need = (sizes + 7) // 8
+            bad = np.nonzero(np.diff(offsets) != need)[0]
+            if len(bad):
+                b = int(bad[0])
+                raise ValueError(f"mask_indptr gives request {b} {int(np.diff(offsets)[b])} "
+                                 f"bytes; qo_len * kv_len = {int(sizes[b])} bits need "
+                                 f"{int(need[b])}")
+            bits = packed.cpu().numpy()[:offsets[-1]]
+            if len(bits) < offsets[-1]:
+                raise ValueError(f"packed_custom_mask has {packed.numel()} bytes; "
+                                 f"mask_indptr[-1] is {int(offsets[-1])}")
+        else:
+            raise ValueError("the variant's mask is 'custom': plan() needs custom_mask or "
+                             "packed_custom_mask + mask_indptr")
+        if len(bits) > cap["max_mask_bytes"]:
+            raise ValueError(f"the custom mask has {len(bits)} bytes, more than "
+                             f"max_mask_bytes={cap['max_mask_bytes']}")
+        return {"mask_offsets": offsets[:-1], "bits": bits}
+    if mode == "multi_item":
+        missing = {"prefix_len", "token_pos_in_items", "max_item_len"} - given
+        if missing:
+            raise ValueError(f"the variant's mask is 'multi_item': plan() needs "
+                             f"{sorted(missing)}")
+        prefix = host_int32("prefix_len", masks["prefix_len"])
+        pos = host_int32("token_pos_in_items", masks["token_pos_in_items"],
+                          allow_empty=True)
+        max_item = host_int32("max_item_len", masks["max_item_len"])
+        if len(prefix) != batch or len(max_item) != batch:
+            raise ValueError(f"prefix_len and max_item_len need {batch} entries; got "
+                             f"{len(prefix)} and {len(max_item)}")
+        if ((prefix < 0) | (prefix > kv_lens)).any():
+            raise ValueError(f"prefix_len {prefix.tolist()} must lie in [0, kv_len] "
+                             f"(kv_len {kv_lens.tolist()})")
+        counts = kv_lens - prefix
+        if len(pos) != counts.sum():
+            raise ValueError(f"token_pos_in_items has {len(pos)} entries; expected "
+                             f"sum(kv_len - prefix_len) = {int(counts.sum())}")
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        for b in range(batch):
+            seg = pos[offsets[b]:offsets[b + 1]]
+            if len(seg) and (seg.min() < 0 or seg.max() > max_item[b]):
+                raise ValueError(f"token_pos_in_items of request {b} must lie in [0, "
+                                 f"max_item_len[{b}] = {max_item[b]}]")
+        if len(pos) > cap["max_item_tokens"]:
+            raise ValueError(f"{len(pos)} item tokens exceed max_item_tokens="
+                             f"{cap['max_item_tokens']}")
+        return {"prefix": prefix, "pos_offsets": offsets[:-1], "max_item": max_item,
+                "pos": pos}
+    return {}
+
