@@ -100,10 +100,12 @@ def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = 
 
 
 def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "prefill",
-               dtype_tag: str = "f16", device_index: int = 0):
-    """A loaded kernel for this specialisation (CudaKernel or CpuKernel), memoised."""
+               dtype_tag: str = "f16", device_index: int = 0, group_size: int = 8):
+    """A loaded kernel for this specialisation (CudaKernel or CpuKernel), memoised. CUDA
+    decode kernels are specialised on the GQA group size's tile (render.tiles_for)."""
+    tiles = render.tiles_for(kind, head_dim, group_size)
     memo_key = (variant.key, backend, head_dim) if backend == "cpu" else (
-        variant.key, backend, kind, dtype_tag, head_dim, device_index)
+        variant.key, backend, kind, dtype_tag, head_dim, tiles, device_index)
     kernel = _MEMO.get(memo_key)
     if kernel is not None:
         return kernel
@@ -113,7 +115,8 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
         kernel = load.load_cpu(path, src)
     else:
         arch = device_arch(device_index)
-        src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag, head_dim=head_dim)
+        src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag, head_dim=head_dim,
+                                 tiles=tiles)
         path, _ = compile_cached(src, arch)
         kernel = load.load_cuda(path, src, device_index)
     _MEMO[memo_key] = kernel

@@ -36,20 +36,23 @@ class Tiles:
         return self.num_warps * self.rows if kind == "prefill" else self.rows
 
     def smem_bytes(self, kind: str, head_dim: int) -> int:
-        kv_tile = 2 * KV_TILE * (head_dim + SMEM_PAD) * 2  # K and V, 16-bit
+        """Dynamic shared memory of the kernels in templates/cuda/include/jitattn_kernels.cuh."""
         q_rows = self.rows_per_cta(kind) * head_dim * 4
         if kind == "prefill":
-            return q_rows + kv_tile
-        merge = self.num_warps * self.rows * (2 + head_dim) * 4
-        return q_rows + max(self.num_warps * kv_tile, merge)
+            return q_rows + 2 * KV_TILE * (head_dim + SMEM_PAD) * 2  # + K and V tiles, 16-bit
+        groups = self.num_warps * 32 // (head_dim // 8)  # key groups of head_dim / 8 threads
+        return q_rows + groups * self.rows * (2 + head_dim) * 4  # + per-group states
 
 
-def tiles_for(kind: str, head_dim: int) -> Tiles:
-    """Tile configuration per kind and head_dim (registers: rows * head_dim / 32 floats of
-    accumulator per lane)."""
+def tiles_for(kind: str, head_dim: int, group_size: int = 8) -> Tiles:
+    """Tile configuration per kind, head_dim and (decode) GQA group size. Prefill: rows per
+    warp (registers: rows * head_dim / 32 accumulators per lane). Decode: rows per CTA, the GQA
+    group rounded up to a power of two (each thread holds rows x 8 accumulators), at most 8
+    (4 at head_dim 256)."""
     if kind == "prefill":
         return Tiles(num_warps=4, rows=2 if head_dim == 256 else 4)
-    return Tiles(num_warps=4, rows=4 if head_dim == 256 else 8)
+    cap = 4 if head_dim == 256 else 8
+    return Tiles(num_warps=4, rows=min(cap, 1 << max(0, group_size - 1).bit_length()))
 
 
 @dataclass(frozen=True)

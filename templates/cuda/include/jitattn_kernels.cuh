@@ -171,23 +171,26 @@ __device__ __forceinline__ void prefill(const Args<DType>& a, const VariantParam
   });
 }
 
-// Decode (few query rows, long KV): every warp holds all ROWS rows and takes every
-// NUM_WARPS-th KV tile into its own shared-memory slot; the warps' partial states are merged at
-// the end (attention-state merge, FlashInfer paper section 2.2).
+// Decode (few query rows, long KV; FlashInfer paper section 3.2, CUDA-core decode): a key is
+// read by a group of HEAD_DIM / 8 threads, each holding 16 bytes of it, straight from global
+// memory into registers, UNROLL keys at a time so that many loads are in flight; the CTA's
+// GROUPS groups take interleaved keys of the work item's range. Every group keeps an online-
+// softmax state for all ROWS rows (the GQA group), and the groups' states are merged at the end
+// (attention-state merge, section 2.2).
 template <typename DType, int HEAD_DIM, int NUM_WARPS, int ROWS>
 __device__ __forceinline__ void decode(const Args<DType>& a, const VariantParams& p) {
-  constexpr int ROW = HEAD_DIM + SMEM_PAD;
-  constexpr int NT = HEAD_DIM / 64;
+  using P = Pair<DType>;
+  constexpr int VEC = 8;                       // 16-byte chunks of 8 elements
+  constexpr int GROUP = HEAD_DIM / VEC;        // threads per key
+  constexpr int GROUPS = NUM_WARPS * WARP / GROUP;
+  constexpr int UNROLL = 4;                    // keys per group per step
   extern __shared__ __align__(16) unsigned char smem[];
-  const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const int gi = threadIdx.x / GROUP, t = threadIdx.x % GROUP;
   const int g = a.num_qo_heads / a.num_kv_heads;
-  float* q_s = reinterpret_cast<float*>(smem);
-  unsigned char* tiles = smem + ROWS * HEAD_DIM * sizeof(float);
-  DType* k_s = reinterpret_cast<DType*>(tiles) + warp * 2 * KV_TILE * ROW;
-  DType* v_s = k_s + KV_TILE * ROW;
-  float* m_s = reinterpret_cast<float*>(tiles);                       // [NUM_WARPS][ROWS]
-  float* l_s = m_s + NUM_WARPS * ROWS;                                 // [NUM_WARPS][ROWS]
-  float2* acc_s = reinterpret_cast<float2*>(l_s + NUM_WARPS * ROWS);   // [NUM_WARPS][ROWS][D/2]
+  float* q_s = reinterpret_cast<float*>(smem);                  // [ROWS][HEAD_DIM]
+  float* m_s = q_s + ROWS * HEAD_DIM;                           // [GROUPS][ROWS]
+  float* l_s = m_s + GROUPS * ROWS;                             // [GROUPS][ROWS]
+  float* acc_s = l_s + GROUPS * ROWS;                           // [GROUPS][ROWS][HEAD_DIM]
 
   for_each_work(a, ROWS, [&](const Work& w) {
     const Request req = get_request(a.requests, a.qo_indptr, a.kv_indptr, a.single_qo_len,
@@ -195,58 +198,162 @@ __device__ __forceinline__ void decode(const Args<DType>& a, const VariantParams
     if (w.row0 >= req.q_len * g) return;
     load_q_rows<DType, HEAD_DIM>(q_s, a, req, w.hk, g, w.row0, ROWS);
     RowInfo rows[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) rows[r] = row_info(req, w.hk, g, w.row0 + r);
-    const int2 range = kv_range(req, g, w.row0, min(w.row0 + ROWS, req.q_len * g) - 1,
-                                w.kv_lo, w.kv_hi);
-    RowState<ROWS, HEAD_DIM> st;
-    st.init();
-    for (int t0 = range.x + warp * KV_TILE; t0 < range.y; t0 += NUM_WARPS * KV_TILE) {
-      __syncwarp();
-      load_kv_tile<DType, HEAD_DIM>(k_s, v_s, a.k, a.v, a.k_layout, a.v_layout, req.kv_start,
-                                    w.hk, t0, range.y, lane, WARP);
-      __syncwarp();
-      rope_k_tile<DType, HEAD_DIM>(k_s, t0, lane, WARP);
-      __syncwarp();
-      update_rows<DType, ROWS, HEAD_DIM>(st, rows, q_s, k_s, v_s, t0, range.y, w.b, req,
-                                         a.mask, p, lane);
-    }
-    // Merge the warps' states through shared memory (reusing the tile area).
-    __syncthreads();
+    float q[ROWS][VEC], m[ROWS], l[ROWS], acc[ROWS][VEC];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      if (lane == 0) {
-        m_s[warp * ROWS + r] = st.m[r];
-        l_s[warp * ROWS + r] = st.l[r];
+      rows[r] = row_info(req, w.hk, g, w.row0 + r);
+      m[r] = -JA_INF;
+      l[r] = 0.f;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        q[r][e] = q_s[r * HEAD_DIM + t * VEC + e];
+        acc[r][e] = 0.f;
       }
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-        acc_s[(warp * ROWS + r) * (HEAD_DIM / 2) + lane + 32 * t] = st.acc[r][t];
     }
-    __syncthreads();
-    for (int r = warp; r < ROWS; r += NUM_WARPS) {
-      const RowInfo ri = row_info(req, w.hk, g, w.row0 + r);
-      if (!ri.valid) continue;
-      float m = -JA_INF;
-      if (!Variant::SIGMOID)
-        for (int x = 0; x < NUM_WARPS; ++x) m = fmaxf(m, m_s[x * ROWS + r]);
-      float l = 0.f;
-      float2 acc[NT];
+    const int2 range = kv_range(req, g, w.row0, min(w.row0 + ROWS, req.q_len * g) - 1,
+                                w.kv_lo, w.kv_hi);
+    // the same trip count for every group, so that shuffles never diverge
+    const int steps = range.y > range.x ? (range.y - range.x + GROUPS * UNROLL - 1) /
+                                              (GROUPS * UNROLL) : 0;
+    for (int step = 0; step < steps; ++step) {
+      const int base = range.x + (step * GROUPS + gi) * UNROLL;
+      uint4 kraw[UNROLL], vraw[UNROLL];
 #pragma unroll
-      for (int t = 0; t < NT; ++t) acc[t] = make_float2(0.f, 0.f);
-      for (int x = 0; x < NUM_WARPS; ++x) {
-        const float mx = m_s[x * ROWS + r];
-        // softmax: rescale to the common max; a warp that saw nothing (m = -inf) adds nothing
-        const float scale = Variant::SIGMOID ? 1.f : (mx == -JA_INF ? 0.f : expf(mx - m));
-        l += l_s[x * ROWS + r] * scale;
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          const float2 y = acc_s[(x * ROWS + r) * (HEAD_DIM / 2) + lane + 32 * t];
-          acc[t].x += y.x * scale;
-          acc[t].y += y.y * scale;
+      for (int u = 0; u < UNROLL; ++u) {
+        kraw[u] = vraw[u] = make_uint4(0, 0, 0, 0);
+        if (base + u < range.y) {
+          kraw[u] = *reinterpret_cast<const uint4*>(
+              a.k + a.k_layout.offset(req.kv_start, base + u, w.hk) + t * VEC);
+          vraw[u] = *reinterpret_cast<const uint4*>(
+              a.v + a.v_layout.offset(req.kv_start, base + u, w.hk) + t * VEC);
         }
       }
-      finish_row<DType, HEAD_DIM>(a, req, w, r, ri, m, l, acc, lane);
+      float s[ROWS][UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        float kf[VEC];
+        const typename P::T2* k2 = reinterpret_cast<const typename P::T2*>(&kraw[u]);
+#pragma unroll
+        for (int e = 0; e < VEC / 2; ++e) {
+          const float2 f = P::to_float2(k2[e]);
+          kf[2 * e] = f.x;
+          kf[2 * e + 1] = f.y;
+        }
+        if constexpr (Variant::ROPE == 1) {  // neox: the partner half lives GROUP / 2 lanes away
+          const bool low = t < GROUP / 2;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            const float other = __shfl_xor_sync(0xffffffffu, kf[e], GROUP / 2);
+            const int i = (low ? t : t - GROUP / 2) * VEC + e;
+            float sn, cs;
+            sincosf((float)(base + u) * kRopeInvFreq[i], &sn, &cs);
+            kf[e] = low ? kf[e] * cs - other * sn : kf[e] * cs + other * sn;
+          }
+        } else if constexpr (Variant::ROPE == 2) {  // gptj: pairs inside the chunk
+#pragma unroll
+          for (int e = 0; e < VEC / 2; ++e)
+            rope_pair(kf[2 * e], kf[2 * e + 1], base + u, kRopeInvFreq[t * VEC / 2 + e]);
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          float dot = 0.f;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) dot = fmaf(q[r][e], kf[e], dot);
+#pragma unroll
+          for (int o = GROUP / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+          s[r][u] = dot;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        if (!rows[r].valid) continue;
+        const int q_pos = rows[r].q_pos;
+        float pu[UNROLL], m_tile = -JA_INF;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const int kv_idx = base + u;
+          bool vis = kv_idx < range.y;
+          if (Variant::CAUSAL) vis = vis && kv_idx <= q_pos;
+          if (Variant::WINDOW_LEFT >= 0) vis = vis && q_pos - kv_idx <= Variant::WINDOW_LEFT;
+          vis = vis && data_mask(req, a.mask, rows[r].qi, q_pos, kv_idx);
+          vis = vis && Variant::mask_mod(p, w.b, rows[r].h, q_pos, kv_idx);
+          const float score = Variant::score_mod(p, s[r][u], w.b, rows[r].h, q_pos, kv_idx);
+          pu[u] = vis ? score : -JA_INF;
+          m_tile = fmaxf(m_tile, pu[u]);
+        }
+        float alpha = 1.f;
+        if (Variant::SIGMOID) {
+#pragma unroll
+          for (int u = 0; u < UNROLL; ++u)
+            pu[u] = pu[u] == -JA_INF ? 0.f : 1.f / (1.f + expf(-pu[u]));
+        } else {
+          const float m_new = fmaxf(m[r], m_tile);
+          if (m_new == -JA_INF) continue;  // nothing visible yet
+#pragma unroll
+          for (int u = 0; u < UNROLL; ++u) pu[u] = expf(pu[u] - m_new);  // exp(-inf) = 0
+          alpha = expf(m[r] - m_new);
+          m[r] = m_new;
+        }
+        float psum = 0.f;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) psum += pu[u];
+        l[r] = l[r] * alpha + psum;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[r][e] *= alpha;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const typename P::T2* v2 = reinterpret_cast<const typename P::T2*>(&vraw[u]);
+#pragma unroll
+          for (int e = 0; e < VEC / 2; ++e) {
+            const float2 f = P::to_float2(v2[e]);
+            acc[r][2 * e] = fmaf(pu[u], f.x, acc[r][2 * e]);
+            acc[r][2 * e + 1] = fmaf(pu[u], f.y, acc[r][2 * e + 1]);
+          }
+        }
+      }
+    }
+    // merge the groups' states through shared memory
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      if (t == 0) {
+        m_s[gi * ROWS + r] = m[r];
+        l_s[gi * ROWS + r] = l[r];
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc_s[(gi * ROWS + r) * HEAD_DIM + t * VEC + e] = acc[r][e];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ROWS * HEAD_DIM / 2; i += blockDim.x) {
+      const int r = i / (HEAD_DIM / 2), c = i % (HEAD_DIM / 2);
+      const RowInfo ri = row_info(req, w.hk, g, w.row0 + r);
+      if (!ri.valid) continue;
+      float mx = -JA_INF;
+      if (!Variant::SIGMOID)
+        for (int x = 0; x < GROUPS; ++x) mx = fmaxf(mx, m_s[x * ROWS + r]);
+      float total = 0.f;
+      float2 o = make_float2(0.f, 0.f);
+      for (int x = 0; x < GROUPS; ++x) {
+        const float mxx = m_s[x * ROWS + r];
+        const float scale = Variant::SIGMOID ? 1.f : (mxx == -JA_INF ? 0.f : expf(mxx - mx));
+        total += l_s[x * ROWS + r] * scale;
+        const float2 y = reinterpret_cast<const float2*>(acc_s + (x * ROWS + r) * HEAD_DIM)[c];
+        o.x += y.x * scale;
+        o.y += y.y * scale;
+      }
+      const bool any = total > 0.f;
+      const float inv = Variant::SIGMOID ? 1.f : (any ? 1.f / total : 0.f);
+      o.x *= inv;
+      o.y *= inv;
+      const float row_lse = any ? (Variant::SIGMOID ? logf(total) : mx + logf(total)) : -JA_INF;
+      if (w.partial < 0) {
+        const long long row = (long long)(req.q_start + ri.qi) * a.num_qo_heads + ri.h;
+        store2(a.o + row * HEAD_DIM + 2 * c, o);
+        if (c == 0) a.lse[row] = row_lse;
+      } else {
+        const long long row = w.partial + r;
+        store2(a.partial_o + row * HEAD_DIM + 2 * c, o);
+        if (c == 0) a.partial_lse[row] = row_lse;
+      }
     }
   });
 }
