@@ -165,7 +165,8 @@ class BatchPrefill:
                          window_left=self.variant.window_left, split_kv=self.split_kv,
                          mask_offsets=mask.get("mask_offsets"), prefix_lens=mask.get("prefix"),
                          token_pos_offsets=mask.get("pos_offsets"),
-                         max_item_lens=mask.get("max_item"))
+                         max_item_lens=mask.get("max_item"),
+                         max_partial_rows=cap["max_partial_rows"])
         if plan.num_items > cap["max_work_items"]:
             raise ValueError(f"the plan has {plan.num_items} work items, more than "
                              f"max_work_items={cap['max_work_items']} given to the constructor")

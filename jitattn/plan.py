@@ -4,7 +4,8 @@ The scheduler is FlashInfer's (Ye et al., "FlashInfer", arXiv 2501.01005, sectio
 SEEDS_DIGEST.md): a query tile is ``rows_per_cta`` packed rows (GQA head-group fusion: packed row
 r of request b is query r // g of kv head hk, head hk * g + r % g). The work is
 W = sum over tiles of the KV length each tile can see (causal and window ranges applied), the KV
-chunk cap is L = max(1, ceil(W / C)) with C resident CTAs, every tile's KV range is cut into
+chunk cap is L = max(1, ceil(W / C)) with C resident CTAs (here ceil(W / kC), k in 1..8 chosen
+by the predicted makespan, which evens out waves), every tile's KV range is cut into
 chunks of at most L keys (rounded up to whole 32-key tiles), chunks are sorted by length,
 longest first with stable ids for ties, and each goes to the least-loaded CTA with cost
 alpha * rows + beta * len. A tile cut into several chunks writes partial states that a merge
@@ -118,14 +119,52 @@ def kv_spans(q_len: int, kv_len: int, g: int, row0: int, row_last: int, causal: 
     return [(a, b) for a, b in spans if b > a] or [(lo, lo)]
 
 
+def _chunks(tiles, cap):
+    """Cut each tile's KV range into equal chunks of at most ``cap`` keys (whole 32-key tiles).
+    Returns (length, id, tile index, lo, hi) per chunk."""
+    chunks = []
+    for t, (b, hk, row0, lo, hi) in enumerate(tiles):
+        n = max(1, math.ceil((hi - lo) / cap))
+        step = -(-(hi - lo) // n) if hi > lo else 0
+        step = -(-step // KV_TILE) * KV_TILE if step else 0
+        for s in (range(lo, hi, step) if step else [lo]):
+            end = min(s + step, hi) if step else hi
+            chunks.append((end - s, len(chunks), t, s, end))
+    return chunks
+
+
+def _partial_rows(chunks, tiles, rows_per_cta) -> int:
+    """Partial-state rows a chunking needs: every chunk of a row tile cut in several."""
+    per_tile = {}
+    for _, _, t, _, _ in chunks:
+        per_tile[tiles[t][:3]] = per_tile.get(tiles[t][:3], 0) + 1
+    return sum(n for n in per_tile.values() if n > 1) * rows_per_cta
+
+
+def _assign(chunks, num_ctas, item_cost, key_cost):
+    """Longest chunk first onto the least-loaded CTA (ties: lowest CTA id); cost of a chunk is
+    item_cost + key_cost * keys. Returns (per-CTA lists, makespan)."""
+    heap = [(0.0, c) for c in range(num_ctas)]
+    assigned = [[] for _ in range(num_ctas)]
+    for length, cid, t, lo, hi in sorted(chunks, key=lambda c: (-c[0], c[1])):
+        load, cta = heapq.heappop(heap)
+        cost = item_cost + key_cost * length
+        assigned[cta].append((cid, t, lo, hi, cost))
+        heapq.heappush(heap, (load + cost, cta))
+    return assigned, max(load for load, _ in heap)
+
+
 def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: int,
               rows_per_cta: int, num_ctas: int, causal: bool, window_left: int | None,
-              split_kv: bool = True, alpha: float = 1.0, beta: float = 1.0,
+              split_kv: bool = True, alpha: float = 16.0, beta: float = 1.0,
               mask_offsets=None, prefix_lens=None, token_pos_offsets=None,
-              max_item_lens=None) -> Plan:
-    """Schedule a batch. qo_lens / kv_lens / kv_starts: per request (host ints). The mask
+              max_item_lens=None, max_partial_rows: int | None = None) -> Plan:
+    """Schedule a batch. qo_lens / kv_lens / kv_starts: per request (host ints). Cost model:
+    alpha per query row of an item (its fixed work: loading rows, writing or merging states)
+    plus beta per key, in units of one key's work. The mask
     arrays (per request) are copied into the request table; prefix_lens with max_item_lens
-    enable tile skipping for multi-item masks."""
+    enable tile skipping for multi-item masks. max_partial_rows: the workspace's capacity;
+    splits that would need more are not chosen (the paper's k = 1 cap is always tried first)."""
     g = num_qo_heads // num_kv_heads
     batch = len(qo_lens)
     q_starts = np.concatenate([[0], np.cumsum(qo_lens)[:-1]]) if batch else np.zeros(0)
@@ -150,29 +189,22 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
             for hk in range(num_kv_heads):
                 for lo, hi in spans:
                     tiles.append((b, hk, row0, lo, hi))
+    # KV chunk cap: ceil(W / (k C)), with k (chunks per CTA on average) chosen by predicting
+    # the makespan of each candidate; k = 1 is the paper's rule, larger k evens out the waves
+    # when tiles are about as long as W / C
     total = sum(hi - lo for *_, lo, hi in tiles)
-    cap = max(1, math.ceil(total / max(1, num_ctas))) if split_kv else 1 << 30
-    cap = -(-cap // KV_TILE) * KV_TILE
-
-    chunks = []  # (length, id, tile index, lo, hi)
-    for t, (b, hk, row0, lo, hi) in enumerate(tiles):
-        n = max(1, math.ceil((hi - lo) / cap))
-        step = -(-(hi - lo) // n) if hi > lo else 0
-        step = -(-step // KV_TILE) * KV_TILE if step else 0
-        starts = list(range(lo, hi, step)) if step else [lo]
-        for s in starts:
-            chunks.append((min(s + step, hi) - s if step else 0, len(chunks), t, s,
-                           min(s + step, hi) if step else hi))
-
-    # longest first, stable ids; least-loaded CTA (ties: lowest CTA id)
-    order = sorted(chunks, key=lambda c: (-c[0], c[1]))
-    heap = [(0.0, c) for c in range(num_ctas)]
-    assigned = [[] for _ in range(num_ctas)]
-    for length, cid, t, lo, hi in order:
-        load, cta = heapq.heappop(heap)
-        cost = alpha * rows_per_cta + beta * length
-        assigned[cta].append((cid, t, lo, hi, cost))
-        heapq.heappush(heap, (load + cost, cta))
+    best = None
+    for k in (1, 2, 3, 4, 6, 8) if split_kv else (None,):
+        cap = 1 << 30 if k is None else max(1, math.ceil(total / max(1, num_ctas * k)))
+        cap = -(-cap // KV_TILE) * KV_TILE
+        chunks = _chunks(tiles, cap)
+        if max_partial_rows is not None and best is not None and \
+                _partial_rows(chunks, tiles, rows_per_cta) > max_partial_rows:
+            continue  # would not fit the workspace: keep the best plan that does
+        assigned, makespan = _assign(chunks, num_ctas, alpha * rows_per_cta, beta)
+        if best is None or makespan < best[0] - 1e-9:
+            best = (makespan, cap, chunks, assigned)
+    _, cap, chunks, assigned = best
 
     # partial rows for row tiles whose keys are cut into several chunks (or spans)
     per_tile = {}  # (request, kv_head, row0) -> chunk spans
