@@ -173,10 +173,12 @@ __device__ __forceinline__ void prefill(const Args<DType>& a, const VariantParam
 
 // Decode (few query rows, long KV; FlashInfer paper section 3.2, CUDA-core decode): a key is
 // read by a group of HEAD_DIM / 8 threads, each holding 16 bytes of it, straight from global
-// memory into registers, UNROLL keys at a time so that many loads are in flight; the CTA's
-// GROUPS groups take interleaved keys of the work item's range. Every group keeps an online-
-// softmax state for all ROWS rows (the GQA group), and the groups' states are merged at the end
-// (attention-state merge, section 2.2).
+// memory into registers, UNROLL keys at a time; the CTA's GROUPS groups take interleaved keys
+// of the work item's range. The dot products of a step are finished by a reduce-scatter, so
+// that each (row, key) pair's mask, score_mod and exp are computed by one lane, and the
+// weights are then broadcast back. Every group keeps an online-softmax state for all ROWS
+// rows (the GQA group); the groups' states are merged at the end (attention-state merge,
+// section 2.2).
 template <typename DType, int HEAD_DIM, int NUM_WARPS, int ROWS>
 __device__ __forceinline__ void decode(const Args<DType>& a, const VariantParams& p) {
   using P = Pair<DType>;
@@ -184,6 +186,12 @@ __device__ __forceinline__ void decode(const Args<DType>& a, const VariantParams
   constexpr int GROUP = HEAD_DIM / VEC;        // threads per key
   constexpr int GROUPS = NUM_WARPS * WARP / GROUP;
   constexpr int UNROLL = 4;                    // keys per group per step
+  constexpr int NV = ROWS * UNROLL;            // (row, key) pairs per group per step
+  constexpr int F = NV >= GROUP ? NV / GROUP : 1;  // pairs per lane after the reduce-scatter
+  constexpr int R = NV >= GROUP ? 1 : GROUP / NV;  // lanes per pair when pairs are fewer
+  // lanes spanned by one row's UNROLL pairs, as xor offsets [SPAN_LO, SPAN_HI)
+  constexpr int SPAN_LO = NV >= GROUP ? 1 : R;
+  constexpr int SPAN_HI = NV >= GROUP ? (F >= UNROLL ? 1 : UNROLL / F) : UNROLL * R;
   extern __shared__ __align__(16) unsigned char smem[];
   const int gi = threadIdx.x / GROUP, t = threadIdx.x % GROUP;
   const int g = a.num_qo_heads / a.num_kv_heads;
@@ -197,11 +205,9 @@ __device__ __forceinline__ void decode(const Args<DType>& a, const VariantParams
                                     a.single_kv_len, w.b);
     if (w.row0 >= req.q_len * g) return;
     load_q_rows<DType, HEAD_DIM>(q_s, a, req, w.hk, g, w.row0, ROWS);
-    RowInfo rows[ROWS];
     float q[ROWS][VEC], m[ROWS], l[ROWS], acc[ROWS][VEC];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      rows[r] = row_info(req, w.hk, g, w.row0 + r);
       m[r] = -JA_INF;
       l[r] = 0.f;
 #pragma unroll
@@ -228,7 +234,8 @@ __device__ __forceinline__ void decode(const Args<DType>& a, const VariantParams
               a.v + a.v_layout.offset(req.kv_start, base + u, w.hk) + t * VEC);
         }
       }
-      float s[ROWS][UNROLL];
+      // dot partials for every (row, key) pair: v[r * UNROLL + u]
+      float v[NV];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         float kf[VEC];
@@ -259,57 +266,100 @@ __device__ __forceinline__ void decode(const Args<DType>& a, const VariantParams
           float dot = 0.f;
 #pragma unroll
           for (int e = 0; e < VEC; ++e) dot = fmaf(q[r][e], kf[e], dot);
-#pragma unroll
-          for (int o = GROUP / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-          s[r][u] = dot;
+          v[r * UNROLL + u] = dot;
         }
       }
+      // Reduce-scatter over the group (recursive halving): afterwards lane t holds the full
+      // sums of pairs t * F .. t * F + F - 1 (with fewer pairs than lanes: pair t / R), so
+      // masking, score_mod and exp run once per pair rather than once per lane.
+      int cnt = NV;
+#pragma unroll
+      for (int o = GROUP / 2; o > 0; o >>= 1) {
+        if (cnt > 1) {
+          const bool upper = t & o;
+#pragma unroll
+          for (int i = 0; i < NV / 2; ++i) {
+            if (i < cnt / 2) {
+              const float send = upper ? v[i] : v[i + cnt / 2];
+              const float keep = upper ? v[i + cnt / 2] : v[i];
+              v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+            }
+          }
+          cnt /= 2;
+        } else {
+          v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+        }
+      }
+      // this lane's pairs: visibility, score_mod, the row's new max, the weight p
+      float pj[F], mj[F];
+#pragma unroll
+      for (int j = 0; j < F; ++j) {
+        const int idx = NV >= GROUP ? t * F + j : t / R;
+        const int r = idx / UNROLL, kv_idx = base + idx % UNROLL;
+        const RowInfo ri = row_info(req, w.hk, g, w.row0 + r);
+        bool vis = ri.valid && kv_idx < range.y;
+        if (Variant::CAUSAL) vis = vis && kv_idx <= ri.q_pos;
+        if (Variant::WINDOW_LEFT >= 0) vis = vis && ri.q_pos - kv_idx <= Variant::WINDOW_LEFT;
+        vis = vis && data_mask(req, a.mask, ri.qi, ri.q_pos, kv_idx);
+        vis = vis && Variant::mask_mod(p, w.b, ri.h, ri.q_pos, kv_idx);
+        const float score = Variant::score_mod(p, v[j], w.b, ri.h, ri.q_pos, kv_idx);
+        pj[j] = vis ? score : -JA_INF;
+      }
+#pragma unroll
+      for (int j = 0; j < F; ++j) {
+        const int idx = NV >= GROUP ? t * F + j : t / R;
+        float mx = -JA_INF;
+#pragma unroll
+        for (int x = 0; x < F; ++x)  // this lane's pairs of the same row
+          if (x / UNROLL == j / UNROLL || F < UNROLL) mx = fmaxf(mx, pj[x]);
+#pragma unroll
+        for (int o = SPAN_LO; o < SPAN_HI; o <<= 1)  // the row's other lanes
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float m_old = -JA_INF;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+          if (r == idx / UNROLL) m_old = m[r];
+        mj[j] = fmaxf(m_old, mx);
+        if (Variant::SIGMOID) pj[j] = pj[j] == -JA_INF ? 0.f : 1.f / (1.f + expf(-pj[j]));
+        else pj[j] = pj[j] == -JA_INF ? 0.f : expf(pj[j] - mj[j]);
+      }
+      // every lane gets every pair's weight and every row's new max, then updates its dims
+      float pw[NV];
+#pragma unroll
+      for (int idx = 0; idx < NV; ++idx)
+        pw[idx] = __shfl_sync(0xffffffffu, pj[NV >= GROUP ? idx % F : 0],
+                              NV >= GROUP ? idx / F : idx * R, GROUP);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
-        if (!rows[r].valid) continue;
-        const int q_pos = rows[r].q_pos;
-        float pu[UNROLL], m_tile = -JA_INF;
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          const int kv_idx = base + u;
-          bool vis = kv_idx < range.y;
-          if (Variant::CAUSAL) vis = vis && kv_idx <= q_pos;
-          if (Variant::WINDOW_LEFT >= 0) vis = vis && q_pos - kv_idx <= Variant::WINDOW_LEFT;
-          vis = vis && data_mask(req, a.mask, rows[r].qi, q_pos, kv_idx);
-          vis = vis && Variant::mask_mod(p, w.b, rows[r].h, q_pos, kv_idx);
-          const float score = Variant::score_mod(p, s[r][u], w.b, rows[r].h, q_pos, kv_idx);
-          pu[u] = vis ? score : -JA_INF;
-          m_tile = fmaxf(m_tile, pu[u]);
-        }
         float alpha = 1.f;
-        if (Variant::SIGMOID) {
-#pragma unroll
-          for (int u = 0; u < UNROLL; ++u)
-            pu[u] = pu[u] == -JA_INF ? 0.f : 1.f / (1.f + expf(-pu[u]));
-        } else {
-          const float m_new = fmaxf(m[r], m_tile);
-          if (m_new == -JA_INF) continue;  // nothing visible yet
-#pragma unroll
-          for (int u = 0; u < UNROLL; ++u) pu[u] = expf(pu[u] - m_new);  // exp(-inf) = 0
-          alpha = expf(m[r] - m_new);
+        if (!Variant::SIGMOID) {
+          const int idx = r * UNROLL;
+          const float m_new = __shfl_sync(0xffffffffu, mj[NV >= GROUP ? idx % F : 0],
+                                          NV >= GROUP ? idx / F : idx * R, GROUP);
+          alpha = m_new == -JA_INF ? 1.f : expf(m[r] - m_new);  // exp(-inf) = 0 at first
           m[r] = m_new;
         }
         float psum = 0.f;
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) psum += pu[u];
+        for (int u = 0; u < UNROLL; ++u) psum += pw[r * UNROLL + u];
         l[r] = l[r] * alpha + psum;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) acc[r][e] *= alpha;
+      }
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          const typename P::T2* v2 = reinterpret_cast<const typename P::T2*>(&vraw[u]);
+      for (int u = 0; u < UNROLL; ++u) {
+        float vf[VEC];
+        const typename P::T2* v2 = reinterpret_cast<const typename P::T2*>(&vraw[u]);
 #pragma unroll
-          for (int e = 0; e < VEC / 2; ++e) {
-            const float2 f = P::to_float2(v2[e]);
-            acc[r][2 * e] = fmaf(pu[u], f.x, acc[r][2 * e]);
-            acc[r][2 * e + 1] = fmaf(pu[u], f.y, acc[r][2 * e + 1]);
-          }
+        for (int e = 0; e < VEC / 2; ++e) {
+          const float2 f = P::to_float2(v2[e]);
+          vf[2 * e] = f.x;
+          vf[2 * e + 1] = f.y;
         }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[r][e] = fmaf(pw[r * UNROLL + u], vf[e], acc[r][e]);
       }
     }
     // merge the groups' states through shared memory
