@@ -320,6 +320,9 @@ __device__ __forceinline__ void decode(const Args<DType>& a, const VariantParams
         for (int r = 0; r < ROWS; ++r)
           if (r == idx / UNROLL) m_old = m[r];
         mj[j] = fmaxf(m_old, mx);
+      }
+#pragma unroll
+      for (int j = 0; j < F; ++j) {  // scores -> weights, once every row max is known
         if (Variant::SIGMOID) pj[j] = pj[j] == -JA_INF ? 0.f : 1.f / (1.f + expf(-pj[j]));
         else pj[j] = pj[j] == -JA_INF ? 0.f : expf(pj[j] - mj[j]);
       }
