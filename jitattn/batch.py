@@ -23,7 +23,7 @@ from .plan import ITEM_FIELDS, Plan, make_plan
 from .render import HEAD_DIMS, tiles_for
 from .spec import Variant
 
-LAYOUTS = ("NHD", "HND")
+LAYOUTS = ("NHD", "HND", "ragged")
 
 
 def _check_indptr(name: str, x: np.ndarray) -> None:
@@ -40,7 +40,9 @@ class BatchPrefill:
     """Prefill (any number of queries per request) over a paged KV cache, for one Variant.
 
     variant: the attention variant. page_size: tokens per page (1 or more). kv_layout: "NHD"
-    (pages [page_size, num_kv_heads, head_dim]) or "HND" ([num_kv_heads, page_size, head_dim]).
+    (pages [page_size, num_kv_heads, head_dim]), "HND" ([num_kv_heads, page_size, head_dim]),
+    or "ragged": no pages, k / v [total_kv, num_kv_heads, head_dim] with kv_indptr over tokens
+    (plan() then takes kv_indices=None, kv_last_page_len=None; page_size is ignored).
     device: where run() will be called ("cuda", "cuda:1" or "cpu").
     Capacities of the device workspace, fixed for the wrapper's life (plan() raises ValueError
     when a batch needs more): max_batch_size requests, max_num_pages entries in kv_indices,
@@ -110,11 +112,19 @@ class BatchPrefill:
     def _plan_batch(self, qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
                     num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale, masks=None) -> Plan:
         kv = masks_mod.host_int32("kv_indptr", kv_indptr)
-        indices = masks_mod.host_int32("kv_indices", kv_indices, allow_empty=True)
-        last = masks_mod.host_int32("kv_last_page_len", kv_last_page_len, allow_empty=True)
         _check_indptr("qo_indptr", qo)
         _check_indptr("kv_indptr", kv)
         batch = len(qo) - 1
+        ragged = self.kv_layout == "ragged"
+        if ragged:
+            if kv_indices is not None or kv_last_page_len is not None:
+                raise ValueError("kv_layout='ragged' has no pages: pass kv_indices=None and "
+                                 "kv_last_page_len=None (kv_indptr counts tokens)")
+            # tokens as pages of one: the page table is the identity
+            kv_indices = torch.arange(int(kv[-1]), dtype=torch.int32)
+            kv_last_page_len = torch.ones(batch, dtype=torch.int32)
+        indices = masks_mod.host_int32("kv_indices", kv_indices, allow_empty=True)
+        last = masks_mod.host_int32("kv_last_page_len", kv_last_page_len, allow_empty=True)
         if len(kv) != batch + 1 or len(last) != batch:
             raise ValueError(f"qo_indptr has {len(qo)} entries, kv_indptr {len(kv)} and "
                              f"kv_last_page_len {len(last)}; expected batch + 1, batch + 1, "
@@ -126,7 +136,8 @@ class BatchPrefill:
             raise ValueError(f"kv_indices holds a negative page id "
                              f"({int(indices[:kv[-1]].min())})")
         pages = np.diff(kv)
-        bad = np.nonzero((pages > 0) & ((last < 1) | (last > self.page_size)))[0]
+        page_size = 1 if ragged else self.page_size
+        bad = np.nonzero((pages > 0) & ((last < 1) | (last > page_size)))[0]
         if len(bad):
             b = int(bad[0])
             raise ValueError(f"kv_last_page_len[{b}] is {last[b]}; expected 1 .. page_size "
@@ -150,7 +161,7 @@ class BatchPrefill:
         if kv[-1] > cap["max_num_pages"]:
             raise ValueError(f"the batch uses {kv[-1]} pages, more than max_num_pages="
                              f"{cap['max_num_pages']} given to the constructor")
-        kv_lens = np.where(pages > 0, (pages - 1) * self.page_size + last, 0)
+        kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
         qo_lens = np.diff(qo)
         mask = masks_mod.mask_arrays(self.variant.mask, masks or {}, qo_lens, kv_lens,
                                      self.capacity)
@@ -174,7 +185,7 @@ class BatchPrefill:
             raise ValueError(f"the plan needs {plan.num_partial_rows} partial rows, more than "
                              f"max_partial_rows={cap['max_partial_rows']} given to the "
                              f"constructor (or construct with split_kv=False)")
-        self._upload(plan, indices[:kv[-1]], head_dim)
+        self._upload(plan, np.zeros(0, np.int32) if ragged else indices[:kv[-1]], head_dim)
         self._upload_mask(mask)
         self._plan = plan
         self._planned = dict(
@@ -262,13 +273,14 @@ class BatchPrefill:
 
     # -- run --------------------------------------------------------------------------------------
     def _split_cache(self, kv_cache):
-        if isinstance(kv_cache, torch.Tensor):
+        if isinstance(kv_cache, torch.Tensor) and self.kv_layout != "ragged":
             if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
                 raise ValueError(f"kv_cache as one tensor must be [num_pages, 2, ...] (5-D), got "
                                  f"{tuple(kv_cache.shape)}")
             return kv_cache[:, 0], kv_cache[:, 1]
         if not (isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2):
-            raise TypeError("kv_cache must be (k_cache, v_cache) or one [num_pages, 2, ...] tensor")
+            raise TypeError("kv_cache must be (k_cache, v_cache)" + (
+                "" if self.kv_layout == "ragged" else " or one [num_pages, 2, ...] tensor"))
         return kv_cache
 
     def _check_run(self, q, k_cache, v_cache) -> None:
@@ -282,22 +294,25 @@ class BatchPrefill:
         if q.dtype != pl["dtype"]:
             raise TypeError(f"q has dtype {q.dtype}; the plan was made for {pl['dtype']}")
         hkv, d, ps = pl["num_kv_heads"], pl["head_dim"], self.page_size
-        page = (ps, hkv, d) if self.kv_layout == "NHD" else (hkv, ps, d)
+        page = {"NHD": (ps, hkv, d), "HND": (hkv, ps, d), "ragged": (hkv, d)}[self.kv_layout]
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not isinstance(c, torch.Tensor) or c.dim() != 4 or tuple(c.shape[1:]) != page:
+            if not isinstance(c, torch.Tensor) or c.dim() != len(page) + 1 or \
+                    tuple(c.shape[1:]) != page:
+                what = "total_kv" if self.kv_layout == "ragged" else "num_pages"
                 raise ValueError(f"{name} has shape {tuple(getattr(c, 'shape', ()))}; expected "
-                                 f"[num_pages, {', '.join(map(str, page))}] ({self.kv_layout})")
+                                 f"[{what}, {', '.join(map(str, page))}] ({self.kv_layout})")
             if c.dtype != q.dtype:
                 raise TypeError(f"{name} has dtype {c.dtype}; expected {q.dtype} (q's)")
             if c.device != q.device or q.device != self.device:
                 raise ValueError(f"q and {name} are on {q.device} / {c.device}; the wrapper "
                                  f"was built for {self.device}")
-            if c.stride(3) != 1 or any(s % 8 for s in c.stride()[:3]) or c.data_ptr() % 16:
+            if c.stride(-1) != 1 or any(s % 8 for s in c.stride()[:-1]) or c.data_ptr() % 16:
                 raise ValueError(f"{name} has strides {c.stride()}; expected the last dim "
                                  f"contiguous, other strides multiples of 8, 16-byte aligned")
             if pl["max_page"] >= c.shape[0]:
-                raise ValueError(f"kv_indices refers to page {pl['max_page']} but {name} has "
-                                 f"{c.shape[0]} pages")
+                unit = "token" if self.kv_layout == "ragged" else "page"
+                raise ValueError(f"the plan refers to {unit} {pl['max_page']} but {name} has "
+                                 f"{c.shape[0]}")
         s0, s1, s2 = q.stride()
         if s2 != 1 or s0 % 8 or s1 % 8 or q.data_ptr() % 16:
             raise ValueError(f"q has strides {q.stride()}; expected the last dim contiguous, "
@@ -327,7 +342,8 @@ class BatchPrefill:
             partial_lse=ws["partial_lse"], num_items=plan.num_items, num_ctas=plan.num_ctas,
             rows_per_cta=plan.rows_per_cta, mask_bits=self._mask_bits,
             token_pos=self._token_pos)
-        kv = launch.KVView.paged(k_cache, v_cache, self._view("kv_indices"), self.kv_layout)
+        kv = launch.KVView.ragged(k_cache, v_cache) if self.kv_layout == "ragged" else \
+            launch.KVView.paged(k_cache, v_cache, self._view("kv_indices"), self.kv_layout)
         launch.run_attention(q, kv, out, lse, self.variant, bound,
                              num_kv_heads=pl["num_kv_heads"], kind=self._kind, plan=device_plan,
                              batch=pl["batch"], max_qo_len=pl["sizes"]["qo_len"],

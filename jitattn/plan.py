@@ -91,6 +91,28 @@ class Plan:
         ]
         return "\n".join(lines)
 
+    def plot(self, path: str) -> None:
+        """Save a PNG of the predicted load per CTA against the lower bound (needs matplotlib:
+        ``pip install 'jitattn[plot]'``)."""
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError("Plan.plot needs matplotlib: pip install 'jitattn[plot]'") from e
+        fig, ax = plt.subplots(figsize=(10, 3.5))
+        ax.bar(range(self.num_ctas), self.cta_load, width=1.0, color="#4878a8")
+        ax.axhline(self.lower_bound, color="#c44e52", lw=1.5,
+                   label=f"lower bound max(sum/C, max item) = {self.lower_bound:.0f}")
+        ax.set_xlabel("CTA")
+        ax.set_ylabel("predicted cost (alpha*rows + beta*keys)")
+        ax.set_title(f"{len(self.requests)} requests, {self.num_items} work items, "
+                     f"chunk cap {self.chunk_cap} keys")
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
 
 def kv_window(q_len: int, kv_len: int, g: int, row0: int, row_last: int, causal: bool,
               window_left: int | None) -> tuple[int, int]:

@@ -102,7 +102,7 @@ def test_run_checks_against_the_plan():
         w.run(q.bfloat16(), tuple(c.bfloat16() for c in kv_cache))
     with pytest.raises(ValueError, match="k_cache has shape"):
         w.run(q, (kv_cache[0][..., :32].contiguous(), kv_cache[1]))
-    with pytest.raises(ValueError, match="refers to page"):
+    with pytest.raises(ValueError, match=r"refers to page \d+ but k_cache has 2"):
         w.run(q, (kv_cache[0][:2].contiguous(), kv_cache[1][:2].contiguous()))
 
 
@@ -202,3 +202,20 @@ def test_mask_arguments_are_checked():
         ja.attention(torch.randn(3, 4, 64, dtype=torch.float16),
                      torch.randn(3, 2, 64, dtype=torch.float16),
                      torch.randn(3, 2, 64, dtype=torch.float16), ja.Variant("c", mask="custom"))
+
+
+def test_ragged_kv_prefill_matches_reference():
+    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    qo_lens, kv_lens = [3, 0, 50, 1], [9, 4, 50, 700]
+    q, k, v, qo_indptr, kv_indptr = make_batch(qo_lens, kv_lens, 8, 2, 128, torch.float16,
+                                               "cpu", seed=41)
+    w = ja.BatchPrefill(variant, kv_layout="ragged", device="cpu")
+    plan = w.plan(qo_indptr, kv_indptr, None, None, 8, 2, 128)
+    assert len(plan.merge_rows) > 0
+    out, lse = w.run(q, (k, v), return_lse=True)
+    from jitattn import reference
+    ref_o, ref_lse = reference.attention(q, k, v, variant, qo_indptr=qo_indptr,
+                                         kv_indptr=kv_indptr, return_lse=True)
+    torch.testing.assert_close(out, ref_o.half(), atol=3e-3, rtol=3e-3)
+    with pytest.raises(ValueError, match="has no pages"):
+        w.plan(qo_indptr, kv_indptr, kv_indptr, None, 8, 2, 128)

@@ -142,3 +142,18 @@ def test_custom_and_multi_item_masks_gpu(dtype):
            max_item_len=torch.tensor([20], dtype=torch.int32))
     check_batch(w, multi, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last, "NHD",
                 prefix_len=prefix_len, token_pos_in_items=pos)
+
+
+def test_ragged_kv_prefill_gpu():
+    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    qo_lens, kv_lens = [3, 0, 50, 1, 200], [9, 4, 50, 7000, 333]
+    q, k, v, qo_indptr, kv_indptr = make_batch(qo_lens, kv_lens, 32, 8, 128, torch.bfloat16,
+                                               "cuda", seed=41)
+    w = ja.BatchPrefill(variant, kv_layout="ragged")
+    w.plan(qo_indptr, kv_indptr, None, None, 32, 8, 128, q_dtype=torch.bfloat16)
+    out, lse = w.run(q, (k, v), return_lse=True)
+    ref_o, ref_lse = reference.attention(q, k, v, variant, qo_indptr=qo_indptr,
+                                         kv_indptr=kv_indptr, return_lse=True)
+    torch.testing.assert_close(out, ref_o.to(out.dtype), **TOL[torch.bfloat16])
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=1e-2, rtol=1e-4)

@@ -74,3 +74,11 @@ def test_long_request_is_split_across_ctas():
     long_items = plan.items[plan.items[:, 0] == 0]
     assert len(long_items) > 8 and (long_items[:, 5] >= 0).all()
     assert len(plan.merge_rows) == 32  # the long request's 32 query heads are merged
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    plan = make_plan([1] * 8, [5000, 100, 3000, 1, 64, 900, 12, 4096], [0] * 8, num_qo_heads=32,
+                     num_kv_heads=8, rows_per_cta=4, num_ctas=16, causal=True, window_left=None)
+    plan.plot(str(tmp_path / "plan.png"))
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
