@@ -11,11 +11,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 
 import jinja2
 
-from . import __version__, dsl, dtypes, env
+from . import __version__, dtypes, emit, env
 from .dsl import ScalarParam
 from .spec import Variant
 
@@ -97,7 +96,7 @@ def _param_decls(variant: Variant, backend: str) -> tuple[list, list]:
     """C declarations (one per kernel argument) and the matching argument names."""
     decls, names = [], []
     for p in variant.params:
-        c = dsl.c_name(p.name)
+        c = emit.c_name(p.name)
         if isinstance(p, ScalarParam):
             decls.append(f"float {c}")
             names.append(c)

@@ -18,7 +18,7 @@ from typing import Callable, Literal
 import numpy as np
 import torch
 
-from . import dsl, dtypes
+from . import dsl
 from .dsl import ScalarParam, SpecError, TensorParam
 
 MASKS = ("none", "causal", "custom", "multi_item")

@@ -5,7 +5,6 @@ import dataclasses
 import shutil
 
 import pytest
-import torch
 
 import jitattn as ja
 from jitattn import catalog, jit, render
