@@ -1,0 +1,143 @@
+"""Prefix discovery from token ids: which requests of a batch share a prefix, and how long it is.
+
+Prefixes are found at block (page) granularity, so that the shared part can be stored once and
+referenced by every request's page table. Each full block is named by a chained hash of its
+tokens and the hash of the block before it (vLLM's prefix caching), so equal hashes mean equal
+prefixes, and a radix trie over the hash chains (SGLang's RadixAttention) gives, for every set
+of requests, the longest block prefix they all share. See SEEDS_DIGEST.md, scenario 1 and 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """Chained sha256 of every full block: h_i = H(h_{i-1} || tokens[i*B:(i+1)*B]).
+    A trailing partial block has no hash (it cannot be shared as a whole page)."""
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size}: expected >= 1")
+    arr = np.asarray(tokens, dtype=np.int64)
+    out, prev = [], b""
+    for i in range(len(arr) // block_size):
+        prev = hashlib.sha256(prev + arr[i * block_size:(i + 1) * block_size].tobytes()).digest()
+        out.append(prev)
+    return out
+
+
+@dataclass
+class _Node:
+    children: dict = field(default_factory=dict)
+    members: list = field(default_factory=list)  # request indices whose chain passes here
+
+
+@dataclass(frozen=True)
+class PrefixGroup:
+    """Requests ``members`` share their first ``prefix_len`` tokens (a multiple of the block
+    size); prefix_len 0 means the group's single request shares nothing."""
+
+    prefix_len: int
+    members: tuple
+
+
+class PrefixTrie:
+    """A radix trie over block-hash chains.
+
+    insert(tokens) records a request; match(tokens) returns how many leading tokens (whole
+    blocks) are already present, the cross-batch prefix-cache lookup.
+    """
+
+    def __init__(self, block_size: int):
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size}: expected >= 1")
+        self.block_size = block_size
+        self.root = _Node()
+        self._count = 0
+
+    def insert(self, tokens: Sequence[int]) -> int:
+        """Add a request; returns its index."""
+        index = self._count
+        self._count += 1
+        node = self.root
+        node.members.append(index)
+        for h in block_hashes(tokens, self.block_size):
+            node = node.children.setdefault(h, _Node())
+            node.members.append(index)
+        return index
+
+    def match(self, tokens: Sequence[int]) -> int:
+        """Number of leading tokens of ``tokens`` found in the trie (a multiple of the block
+        size)."""
+        node, matched = self.root, 0
+        for h in block_hashes(tokens, self.block_size):
+            node = node.children.get(h)
+            if node is None:
+                break
+            matched += self.block_size
+        return matched
+
+    def groups(self, min_members: int = 2) -> list[PrefixGroup]:
+        """Partition the inserted requests into groups that share a block prefix, choosing at
+        every branch of the trie whatever saves more prefix tokens: keep the members together
+        at this depth (saving prefix_len * (members - 1)), or let the branches go deeper
+        apart. Groups smaller than ``min_members`` get prefix_len 0. Deterministic: groups
+        ordered by their first member."""
+        _, groups = self._best(self.root, 0, min_members)
+        return sorted(groups, key=lambda g: g.members[0])
+
+    def _best(self, node: _Node, depth: int, min_members: int):
+        # follow the chain while every member goes on together (no recursion per block)
+        while len(node.children) == 1:
+            (nxt,) = node.children.values()
+            if len(nxt.members) != len(node.members):
+                break
+            node, depth = nxt, depth + 1
+        n = len(node.members)
+        together = n >= min_members and depth > 0
+        stay = (depth * self.block_size * (n - 1) if together else 0,
+                [PrefixGroup(depth * self.block_size if together else 0, tuple(node.members))]
+                if together else [PrefixGroup(0, (m,)) for m in node.members])
+        if not node.children:
+            return stay
+        saving, groups, covered = 0, [], set()
+        for child in node.children.values():
+            s, g = self._best(child, depth + 1, min_members)
+            saving, groups = saving + s, groups + g
+            covered.update(child.members)
+        groups += [PrefixGroup(0, (m,)) for m in node.members if m not in covered]
+        return stay if stay[0] >= saving and together else (saving, groups)
+
+
+def find_shared_prefixes(requests: Sequence[Sequence[int]], block_size: int,
+                         min_members: int = 2) -> list[PrefixGroup]:
+    """Group a batch's requests (token id sequences) by their longest shared block prefix.
+
+    Only whole blocks are shared, and a request never shares its last token (the
+    prefix must leave every request at least one token of its own to prefill), so prefix_len
+    <= min(len) - 1 rounded down to a block. Returns PrefixGroups covering every request once.
+    """
+    trie = PrefixTrie(block_size)
+    for tokens in requests:
+        trie.insert(tokens)
+    out = []
+    for g in trie.groups(min_members):
+        shortest = min(len(requests[m]) for m in g.members)
+        cap = (shortest - 1) // block_size * block_size if shortest else 0
+        out.append(PrefixGroup(min(g.prefix_len, cap), g.members))
+    return out
+
+
+def multi_item_metadata(prefix_len: int, item_lens: Sequence[int]):
+    """Metadata of the multi-item mask (SEEDS_DIGEST.md scheme 5a) for one request made of a
+    prefix and items: (prefix_len, token_pos_in_items, max_item_len), token positions 1-based
+    inside each item. The seed's example: prefix 96, items [4, 4] ->
+    (96, [1, 2, 3, 4, 1, 2, 3, 4], 4)."""
+    if prefix_len < 0 or any(n < 1 for n in item_lens):
+        raise ValueError(f"prefix_len={prefix_len}, item_lens={list(item_lens)}: expected a "
+                         f"prefix >= 0 and items of at least one token")
+    positions = [i + 1 for n in item_lens for i in range(n)]
+    return prefix_len, positions, max(item_lens, default=0)

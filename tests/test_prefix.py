@@ -1,0 +1,68 @@
+"""Prefix discovery (block hashes, radix trie) and multi-item metadata."""
+
+import random
+
+import pytest
+
+from jitattn.prefix import (PrefixGroup, PrefixTrie, block_hashes, find_shared_prefixes,
+                            multi_item_metadata)
+
+
+def test_block_hashes_are_chained():
+    a = list(range(40))
+    b = [999] + list(range(1, 40))  # differs in the first block only
+    ha, hb = block_hashes(a, 16), block_hashes(b, 16)
+    assert len(ha) == 2  # the last 8 tokens are a partial block
+    assert ha[0] != hb[0] and ha[1] != hb[1]  # the change propagates down the chain
+    assert block_hashes(a[:32] + [5] * 8, 16) == ha
+
+
+def test_groups_find_the_longest_common_block_prefix():
+    rng = random.Random(0)
+    system = [rng.randrange(32000) for _ in range(100)]       # 6 full blocks of 16 + 4
+    fewshot = [rng.randrange(32000) for _ in range(50)]
+    reqs = [system + [1, 2, 3], system + fewshot + [4], system + fewshot + [5, 6],
+            [7] * 40, system[:20] + [8] * 30]
+    groups = find_shared_prefixes(reqs, 16)
+    # requests 0-2 share the system prompt's 6 whole blocks (1-2 share more, but keeping all
+    # three together saves more); request 4 shares only one block with them, so it stays alone
+    assert groups == [PrefixGroup(96, (0, 1, 2)), PrefixGroup(0, (3,)), PrefixGroup(0, (4,))]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_each_group_gets_its_longest_common_prefix(seed):
+    rng = random.Random(seed)
+    block = rng.choice([1, 3, 16])
+    bases = [[rng.randrange(50) for _ in range(rng.randrange(0, 80))] for _ in range(3)]
+    reqs = [rng.choice(bases) + [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
+            for _ in range(12)]
+    for g in find_shared_prefixes(reqs, block):
+        if len(g.members) < 2:
+            continue
+        members = [reqs[m] for m in g.members]
+        common = 0
+        while all(len(r) > common for r in members) and len({r[common] for r in members}) == 1:
+            common += 1
+        shortest = min(map(len, members))
+        expect = min(common // block * block, (shortest - 1) // block * block)
+        assert g.prefix_len == expect
+
+
+def test_trie_match_for_cross_batch_reuse():
+    trie = PrefixTrie(4)
+    trie.insert(list(range(10)))
+    assert trie.match(list(range(10))) == 8
+    assert trie.match(list(range(6)) + [99, 99, 99]) == 4
+    assert trie.match([5, 5, 5, 5]) == 0
+
+
+def test_multi_item_metadata_matches_the_seed_example():
+    assert multi_item_metadata(96, [4, 4]) == (96, [1, 2, 3, 4, 1, 2, 3, 4], 4)
+    with pytest.raises(ValueError):
+        multi_item_metadata(96, [4, 0])
+
+
+def test_long_prompts_do_not_recurse_per_block():
+    shared = list(range(20000))
+    groups = find_shared_prefixes([shared + [1], shared + [2], shared + [2, 3]], 1)
+    assert groups == [PrefixGroup(20000, (0, 1, 2))]
