@@ -7,6 +7,9 @@ declared up front. ``run()`` is then reused by every layer: it checks tensors ag
 and launches a persistent grid (one CTA per resident slot) plus the merge kernel, with no host
 sync and no allocation of its own except the outputs (pass ``out`` / ``lse`` to avoid those), so
 it can be captured in a CUDA graph and replayed after a new ``plan()`` within the capacities.
+A replay reuses the captured q / out / lse and scalar arguments: the new plan must keep the
+number of query rows, the dtype, head_dim, head counts and sm_scale (KV lengths, page tables and
+the schedule may change; BatchDecode with a fixed batch is the usual case).
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import torch
 
 from . import dtypes, jit, launch
 from . import masks as masks_mod
-from .plan import ITEM_FIELDS, Plan, make_plan
+from .plan import ITEM_FIELDS, REQUEST_FIELDS, Plan, make_plan
 from .render import HEAD_DIMS, tiles_for
 from .spec import Variant
 
 LAYOUTS = ("NHD", "HND", "ragged")
+MAX_CTAS = 1 << 14  # persistent-grid CTAs the workspace's offset table can hold
 
 
 def _check_indptr(name: str, x: np.ndarray) -> None:
@@ -158,7 +162,7 @@ class BatchPrefill:
         if batch > cap["max_batch_size"]:
             raise ValueError(f"batch of {batch} requests exceeds max_batch_size="
                              f"{cap['max_batch_size']} given to the constructor")
-        if kv[-1] > cap["max_num_pages"]:
+        if not ragged and kv[-1] > cap["max_num_pages"]:
             raise ValueError(f"the batch uses {kv[-1]} pages, more than max_num_pages="
                              f"{cap['max_num_pages']} given to the constructor")
         kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
@@ -185,7 +189,7 @@ class BatchPrefill:
             raise ValueError(f"the plan needs {plan.num_partial_rows} partial rows, more than "
                              f"max_partial_rows={cap['max_partial_rows']} given to the "
                              f"constructor (or construct with split_kv=False)")
-        self._upload(plan, np.zeros(0, np.int32) if ragged else indices[:kv[-1]], head_dim)
+        self._upload(plan, np.zeros(0, np.int32) if ragged else indices[:kv[-1]])
         self._upload_mask(mask)
         self._plan = plan
         self._planned = dict(
@@ -219,57 +223,61 @@ class BatchPrefill:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return sms * kernel.resident_ctas_per_sm()
 
-    def _workspace(self, num_ctas: int, head_dim: int) -> dict:
+    def _workspace(self) -> dict:
+        """The device workspace, allocated once at the first plan() and never reallocated, so
+        that a captured CUDA graph's pointers stay valid: one int32 buffer carved into views
+        (request table, items, CTA offsets, merge map, page table, merge count) with a pinned
+        host twin, and float32 partial states sized for the largest head_dim."""
+        if self._ws is not None:
+            return self._ws
         cap, dev = self.capacity, self.device
-        ws = self._ws
-        if ws is not None and ws["num_ctas"] == num_ctas and ws["head_dim"] == head_dim:
-            return ws
-        i32 = dict(dtype=torch.int32, device=dev)
-        # one int32 buffer: requests | items | cta_indptr | merge indptr | rows | slots |
-        # kv_indices | merge count; carved into views so that one copy uploads a plan
-        sizes = dict(requests=4 * cap["max_batch_size"],
-                     items=ITEM_FIELDS * cap["max_work_items"], cta_indptr=num_ctas + 1,
+        sizes = dict(merge_count=1, requests=REQUEST_FIELDS * cap["max_batch_size"],
+                     items=ITEM_FIELDS * cap["max_work_items"], cta_indptr=MAX_CTAS + 1,
                      merge_indptr=cap["max_partial_rows"] + 1,
                      merge_rows=cap["max_partial_rows"], merge_slots=cap["max_partial_rows"],
-                     kv_indices=cap["max_num_pages"], merge_count=1)
-        total = sum(sizes.values())
-        ints = torch.zeros(total, **i32)
-        pinned = torch.zeros(total, dtype=torch.int32, pin_memory=dev.type == "cuda")
+                     kv_indices=cap["max_num_pages"])
         views, offset = {}, 0
         for name, n in sizes.items():
             views[name] = (offset, n)
             offset += n
-        self._ws = ws = dict(
-            ints=ints, pinned=pinned, views=views, num_ctas=num_ctas, head_dim=head_dim,
-            partial_o=torch.empty(cap["max_partial_rows"], head_dim, dtype=torch.float32,
+        self._ws = dict(
+            ints=torch.zeros(offset, dtype=torch.int32, device=dev),
+            pinned=torch.zeros(offset, dtype=torch.int32, pin_memory=dev.type == "cuda"),
+            views=views,
+            partial_o=torch.empty(cap["max_partial_rows"] * max(HEAD_DIMS), dtype=torch.float32,
                                   device=dev),
             partial_lse=torch.empty(cap["max_partial_rows"], dtype=torch.float32, device=dev))
-        return ws
+        return self._ws
 
     def _view(self, name: str) -> torch.Tensor:
         offset, n = self._ws["views"][name]
         return self._ws["ints"][offset:offset + n]
 
-    def _upload(self, plan: Plan, kv_indices: np.ndarray, head_dim: int) -> None:
-        ws = self._workspace(plan.num_ctas, head_dim)
+    def _upload(self, plan: Plan, kv_indices: np.ndarray) -> None:
+        """Copy a plan into the workspace: each view's used prefix, pinned host -> device, on
+        the wrapper's device's current stream (ordered before the next run())."""
+        if plan.num_ctas > MAX_CTAS:
+            raise ValueError(f"{plan.num_ctas} CTAs exceed the workspace's {MAX_CTAS}")
+        ws = self._workspace()
         if ws.get("copied") is not None:
             ws["copied"].synchronize()  # the previous plan's copy has left the pinned buffer
         host = ws["pinned"].numpy()
-        used = 0
-        for name, array in (("requests", plan.requests), ("items", plan.items),
+        for name, array in (("merge_count", np.array([len(plan.merge_rows)])),
+                            ("requests", plan.requests), ("items", plan.items),
                             ("cta_indptr", plan.cta_indptr), ("merge_indptr", plan.merge_indptr),
                             ("merge_rows", plan.merge_rows), ("merge_slots", plan.merge_slots),
-                            ("kv_indices", kv_indices),
-                            ("merge_count", np.array([len(plan.merge_rows)]))):
+                            ("kv_indices", kv_indices)):
             offset, n = ws["views"][name]
             flat = np.asarray(array, dtype=np.int32).reshape(-1)
+            if len(flat) > n:
+                raise AssertionError(f"workspace view {name} holds {n}, plan needs {len(flat)}")
             host[offset:offset + len(flat)] = flat
-            used = max(used, offset + len(flat))
-        # pinned host -> fixed device buffer; the copy is ordered before later work on the stream
-        ws["ints"][:used].copy_(ws["pinned"][:used], non_blocking=True)
+            ws["ints"][offset:offset + len(flat)].copy_(ws["pinned"][offset:offset + len(flat)],
+                                                        non_blocking=True)
         if self.device.type == "cuda":
-            ws["copied"] = torch.cuda.Event()
-            ws["copied"].record()
+            with torch.cuda.device(self.device):
+                ws["copied"] = torch.cuda.Event()
+                ws["copied"].record(torch.cuda.current_stream(self.device))
 
     # -- run --------------------------------------------------------------------------------------
     def _split_cache(self, kv_cache):

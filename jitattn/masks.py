@@ -51,12 +51,13 @@ def mask_arrays(mode: str, masks: dict, qo_lens, kv_lens, cap: dict) -> dict:
             if masks.get("mask_indptr") is None:
                 raise ValueError("packed_custom_mask needs mask_indptr")
             packed = masks["packed_custom_mask"]
-            if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
-                raise TypeError("packed_custom_mask must be a torch.uint8 tensor")
+            if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or \
+                    packed.dim() != 1:
+                raise TypeError("packed_custom_mask must be a 1-D torch.uint8 tensor")
             offsets = host_int32("mask_indptr", masks["mask_indptr"]).astype(np.int64)
-            if len(offsets) != batch + 1:
-                raise ValueError(f"mask_indptr has {len(offsets)} entries; expected "
-                                 f"{batch + 1}")
+            if len(offsets) != batch + 1 or offsets[0] != 0:
+                raise ValueError(f"mask_indptr must have {batch + 1} entries starting at 0; "
+                                 f"got {len(offsets)} starting at {offsets[0]}")
             need = (sizes + 7) // 8
             bad = np.nonzero(np.diff(offsets) != need)[0]
             if len(bad):

@@ -186,7 +186,7 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
     plus beta per key, in units of one key's work. The mask
     arrays (per request) are copied into the request table; prefix_lens with max_item_lens
     enable tile skipping for multi-item masks. max_partial_rows: the workspace's capacity;
-    splits that would need more are not chosen (the paper's k = 1 cap is always tried first)."""
+    splits that would need more are not chosen (with none left, the KV is not split)."""
     g = num_qo_heads // num_kv_heads
     batch = len(qo_lens)
     q_starts = np.concatenate([[0], np.cumsum(qo_lens)[:-1]]) if batch else np.zeros(0)
@@ -216,13 +216,15 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
     # when tiles are about as long as W / C
     total = sum(hi - lo for *_, lo, hi in tiles)
     best = None
-    for k in (1, 2, 3, 4, 6, 8) if split_kv else (None,):
+    for k in ((1, 2, 3, 4, 6, 8) if split_kv else ()) + (None,):
+        if k is None and best is not None:
+            break  # no split: only when no split fits the workspace (or splitting is off)
         cap = 1 << 30 if k is None else max(1, math.ceil(total / max(1, num_ctas * k)))
         cap = -(-cap // KV_TILE) * KV_TILE
         chunks = _chunks(tiles, cap)
-        if max_partial_rows is not None and best is not None and \
+        if k is not None and max_partial_rows is not None and \
                 _partial_rows(chunks, tiles, rows_per_cta) > max_partial_rows:
-            continue  # would not fit the workspace: keep the best plan that does
+            continue  # would not fit the workspace
         assigned, makespan = _assign(chunks, num_ctas, alpha * rows_per_cta, beta)
         if best is None or makespan < best[0] - 1e-9:
             best = (makespan, cap, chunks, assigned)

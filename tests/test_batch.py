@@ -219,3 +219,27 @@ def test_ragged_kv_prefill_matches_reference():
     torch.testing.assert_close(out, ref_o.half(), atol=3e-3, rtol=3e-3)
     with pytest.raises(ValueError, match="has no pages"):
         w.plan(qo_indptr, kv_indptr, kv_indptr, None, 8, 2, 128)
+
+
+def test_batch_at_full_capacity():
+    """A batch of exactly max_batch_size requests (the request table is full)."""
+    variant = ja.Variant("c", mask="causal")
+    qo_lens, kv_lens = [3, 1, 4, 2], [30, 9, 17, 2]
+    q, k, v, qo_indptr, kv_indptr = make_batch(qo_lens, kv_lens, 4, 2, 64, torch.float16,
+                                               "cpu", seed=51)
+    w = ja.BatchPrefill(variant, kv_layout="ragged", device="cpu", max_batch_size=4,
+                        max_partial_rows=16)
+    w.plan(qo_indptr, kv_indptr, None, None, 4, 2, 64)
+    from jitattn import reference
+    ref = reference.attention(q, k, v, variant, qo_indptr=qo_indptr, kv_indptr=kv_indptr)
+    torch.testing.assert_close(w.run(q, (k, v)), ref.half(), atol=3e-3, rtol=3e-3)
+
+
+def test_packed_mask_offsets_must_start_at_zero():
+    cache, kv_indptr, kv_indices, last = make_paged([12], 2, 64, 16, "NHD", torch.float16,
+                                                    "cpu", seed=0)
+    w = ja.BatchPrefill(ja.Variant("c", mask="custom"), device="cpu")
+    with pytest.raises(ValueError, match="starting at 0"):
+        w.plan(torch.tensor([0, 2], dtype=torch.int32), kv_indptr, kv_indices, last, 4, 2, 64,
+               packed_custom_mask=torch.zeros(3, dtype=torch.uint8),
+               mask_indptr=torch.tensor([-3, 0], dtype=torch.int32))
