@@ -1,0 +1,106 @@
+"""Shared-prefix prefill: every strategy equals naive on the CPU backend."""
+
+import random
+
+import pytest
+import torch
+
+import jitattn as ja
+from jitattn.shared_prefix import STRATEGIES, SharedPrefixPrefill
+
+from helpers import TOL
+
+
+def _layout(prefix, suffixes, hq, hkv, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    n = prefix + sum(suffixes)
+    return [torch.randn(n, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv)]
+
+
+def _per_request_reference(variant, q, k, v, prefix, suffixes):
+    """Each request [P, S_i] on its own through ja.attention, laid out like the strategies."""
+    out = torch.empty_like(q)
+    start = prefix
+    for i, n in enumerate(suffixes):
+        idx = torch.cat([torch.arange(prefix), torch.arange(start, start + n)])
+        o = ja.attention(q[idx], k[idx], v[idx], variant)
+        out[start:start + n] = o[prefix:]
+        if i == 0:
+            out[:prefix] = o[:prefix]
+        start += n
+    return out
+
+
+CASES = [(96, [4, 4]), (37, [1]), (0, [5, 3, 9]), (50, [1, 1, 1, 1, 1, 1]), (130, [70, 2, 33])]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("prefix, suffixes", CASES)
+def test_every_strategy_equals_naive(strategy, prefix, suffixes):
+    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    q, k, v = _layout(prefix, suffixes, 16, 8, 128, torch.float16, seed=prefix + len(suffixes))
+    sp = SharedPrefixPrefill(variant, strategy, device="cpu")
+    assert sp.plan(prefix, suffixes, 16, 8, 128) == strategy
+    got = sp.run(q, k, v)
+    ref = _per_request_reference(variant, q, k, v, prefix, suffixes)
+    torch.testing.assert_close(got, ref, **TOL[torch.float16])
+
+
+@pytest.mark.parametrize("strategy", ["naive", "split", "ragged"])
+def test_position_dependent_variants_on_exact_strategies(strategy):
+    slopes = ja.alibi_slopes(8)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    variant = ja.Variant("alibi_rope", score_mod=alibi, pos_encoding=ja.RoPE())
+    prefix, suffixes = 45, [3, 17, 1]
+    q, k, v = _layout(prefix, suffixes, 8, 2, 64, torch.bfloat16, seed=3)
+    sp = SharedPrefixPrefill(variant, strategy, device="cpu")
+    sp.plan(prefix, suffixes, 8, 2, 64, q_dtype=torch.bfloat16)
+    torch.testing.assert_close(sp.run(q, k, v),
+                               _per_request_reference(variant, q, k, v, prefix, suffixes),
+                               **TOL[torch.bfloat16])
+    with pytest.raises(ValueError, match="do not read positions"):
+        SharedPrefixPrefill(variant, "cascade", device="cpu")
+
+
+def test_auto_follows_the_selection_guide_and_is_exact():
+    variant = ja.Variant("causal", mask="causal")
+    sp = SharedPrefixPrefill(variant, device="cpu")
+    assert sp.choose(8196, [4] * 32) == "multi_item"
+    assert sp.choose(96, [4] * 32) == "ragged"
+    rng = random.Random(0)
+    for _ in range(3):
+        prefix, suffixes = rng.randrange(0, 200), [rng.randrange(1, 20) for _ in range(4)]
+        q, k, v = _layout(prefix, suffixes, 4, 4, 64, torch.float16, seed=prefix)
+        sp.plan(prefix, suffixes, 4, 4, 64)
+        torch.testing.assert_close(sp.run(q, k, v),
+                                   _per_request_reference(variant, q, k, v, prefix, suffixes),
+                                   **TOL[torch.float16])
+
+
+def test_bad_arguments():
+    variant = ja.Variant("causal")
+    with pytest.raises(ValueError, match="strategy"):
+        SharedPrefixPrefill(variant, "magic", device="cpu")
+    with pytest.raises(ValueError, match="causal"):
+        SharedPrefixPrefill(ja.Variant("n", mask="none"), device="cpu")
+    sp = SharedPrefixPrefill(variant, "ragged", device="cpu")
+    with pytest.raises(ValueError, match="suffix_lens"):
+        sp.plan(10, [3, 0], 4, 4, 64)
+    with pytest.raises(RuntimeError, match="before plan"):
+        sp.run(*_layout(10, [3], 4, 4, 64, torch.float16, 0))
+    sp.plan(10, [3], 4, 4, 64)
+    with pytest.raises(ValueError, match="13 rows"):
+        sp.run(*_layout(10, [4], 4, 4, 64, torch.float16, 0))
+
+
+def test_cascade_merges_sigmoid_states_by_addition():
+    variant = ja.Variant("sig", mask="causal", reduction="sigmoid")
+    prefix, suffixes = 64, [5, 9]
+    q, k, v = _layout(prefix, suffixes, 8, 8, 64, torch.float16, seed=8)
+    sp = SharedPrefixPrefill(variant, "cascade", device="cpu")
+    sp.plan(prefix, suffixes, 8, 8, 64)
+    torch.testing.assert_close(sp.run(q, k, v),
+                               _per_request_reference(variant, q, k, v, prefix, suffixes),
+                               atol=2e-2, rtol=2e-2)  # unnormalised sums of up to 73 terms
