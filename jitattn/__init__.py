@@ -17,12 +17,13 @@ from .batch import BatchDecode, BatchPrefill
 from .merge import merge_state, merge_state_in_place, merge_states
 from .prefix import PrefixGroup, PrefixTrie, find_shared_prefixes, multi_item_metadata
 from .shared_prefix import SharedPrefixPrefill
+from .cascade import CascadeDecode, MultiLevelCascade
 
 __all__ = [
     "Variant", "RoPE", "SpecError", "CompileError", "attention", "scalar", "tensor", "where",
     "tanh", "exp", "log", "sigmoid", "minimum", "maximum", "abs", "soft_cap", "alibi_slopes",
     "merge_state", "merge_state_in_place", "merge_states", "BatchPrefill", "BatchDecode",
     "PrefixGroup", "PrefixTrie", "find_shared_prefixes", "multi_item_metadata",
-    "SharedPrefixPrefill",
+    "SharedPrefixPrefill", "CascadeDecode", "MultiLevelCascade",
     "__version__",
 ]

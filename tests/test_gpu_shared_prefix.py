@@ -39,3 +39,25 @@ def test_strategies_equal_per_request_attention(strategy, dtype, hq, hkv):
             if i == 0:
                 torch.testing.assert_close(got[:prefix], ref[:prefix], **TOL[dtype])
             start += s
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_cascade_decode_equals_plain_decode_gpu(dtype):
+    gen = torch.Generator().manual_seed(0)
+    page_size, hq, hkv, d, batch = 16, 32, 8, 128, 16
+    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    shared = list(range(64))                          # 1024-token prefix
+    unique = [list(range(64 + 8 * i, 64 + 8 * i + 8)) for i in range(batch)]  # 128 tokens each
+    cache = tuple(torch.randn(64 + 8 * batch, page_size, hkv, d, generator=gen).to("cuda", dtype)
+                  for _ in range(2))
+    q = torch.randn(batch, hq, d, generator=gen).to("cuda", dtype)
+    i32 = dict(dtype=torch.int32)
+    cd = ja.CascadeDecode(variant, page_size=page_size)
+    cd.plan(torch.tensor(shared, **i32), 16, torch.arange(0, 8 * batch + 1, 8, **i32),
+            torch.tensor(sum(unique, []), **i32), torch.full((batch,), 16, **i32), hq, hkv, d,
+            q_dtype=dtype)
+    plain = ja.BatchDecode(variant, page_size=page_size)
+    plain.plan(torch.arange(0, 72 * batch + 1, 72, **i32),
+               torch.tensor(sum([shared + u for u in unique], []), **i32),
+               torch.full((batch,), 16, **i32), hq, hkv, d, q_dtype=dtype)
+    torch.testing.assert_close(cd.run(q, cache), plain.run(q, cache), **TOL[dtype])

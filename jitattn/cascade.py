@@ -1,0 +1,109 @@
+"""Cascade attention over levels of shared KV (FlashInfer's multi-level cascade; SEEDS_DIGEST.md,
+"Decode (scenario 3): cascade is the method"): each level is a batch whose queries attend to a
+slice of the KV (e.g. level 0: every request's query packed into one request against the
+system prompt, read once; level 1: a few-shot block shared by some; last level: each request's
+own history), and the levels' attention states are merged by LSE.
+
+The query rows of every level index the same q [total_q, heads, head_dim]; each level's
+qo_indptr groups them (a level need not contain every row). Levels other than the last attend
+without a mask (their keys all precede their queries); the last level uses the variant's own
+mask. Packing moves queries to other positions, so only variants that do not read positions are
+accepted (see shared_prefix.uses_positions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .batch import BatchPrefill
+from .merge import merge_state_in_place
+from .shared_prefix import uses_positions
+from .spec import Variant
+
+
+class MultiLevelCascade:
+    """num_levels levels of shared KV over one paged cache, planned once per step and run per
+    layer. page_size, kv_layout, device and capacities as for BatchPrefill."""
+
+    def __init__(self, variant: Variant, num_levels: int, page_size: int = 16,
+                 kv_layout: str = "NHD", *, device="cuda", **capacities):
+        if not isinstance(variant, Variant):
+            raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
+        if isinstance(num_levels, bool) or not isinstance(num_levels, int) or num_levels < 1:
+            raise ValueError(f"num_levels={num_levels!r}: expected an int >= 1")
+        if uses_positions(variant):
+            raise ValueError(f"cascade levels move queries to other positions, so they are exact "
+                             f"only for variants that do not read positions; {variant.name!r} "
+                             f"does")
+        shared = dataclasses.replace(variant, mask="none")
+        self.variant = variant
+        self.levels = [BatchPrefill(shared if i < num_levels - 1 else variant,
+                                    page_size=page_size, kv_layout=kv_layout, device=device,
+                                    **capacities) for i in range(num_levels)]
+        self._rows: list | None = None
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, *, q_rows=None, q_dtype=torch.float16,
+             sm_scale: float | None = None) -> None:
+        """Plan every level. qo_indptr, kv_indptr, kv_indices, kv_last_page_len: one int32
+        tensor per level, as for BatchPrefill.plan. q_rows: per level, the rows of q its
+        queries are (int tensor, length qo_indptr[-1]); default: rows 0 .. qo_indptr[-1] - 1.
+        """
+        n = len(self.levels)
+        for name, arg in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
+                          ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
+            if not isinstance(arg, (list, tuple)) or len(arg) != n:
+                raise ValueError(f"{name} must be a list of {n} tensors (one per level)")
+        rows = []
+        for i, level in enumerate(self.levels):
+            level.plan(qo_indptr[i], kv_indptr[i], kv_indices[i], kv_last_page_len[i],
+                       num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, sm_scale=sm_scale)
+            total = int(qo_indptr[i][-1])
+            r = torch.arange(total) if q_rows is None or q_rows[i] is None else \
+                torch.as_tensor(q_rows[i], dtype=torch.long)
+            if r.numel() != total:
+                raise ValueError(f"q_rows[{i}] has {r.numel()} rows; level {i} plans {total}")
+            rows.append(r)
+        self._rows = rows
+
+    def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False, **params):
+        """Attention of q [total_q, heads, head_dim] over all levels, merged. Rows that no
+        level covers get out 0, lse -inf."""
+        if self._rows is None:
+            raise RuntimeError("MultiLevelCascade.run() called before plan()")
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        for level, rows in zip(self.levels, self._rows):
+            rows = rows.to(q.device)
+            o, s = level.run(q[rows].contiguous(), kv_cache, return_lse=True, **params)
+            o_acc, s_acc = out[rows], lse[rows]
+            merge_state_in_place(o_acc, s_acc, o, s, reduction=self.variant.reduction)
+            out[rows], lse[rows] = o_acc, s_acc
+        return (out, lse) if return_lse else out
+
+
+class CascadeDecode(MultiLevelCascade):
+    """Decode with one shared prefix: level 0 packs every request's query into one request
+    against the shared pages (read once); level 1 is each request against its own pages."""
+
+    def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD", *,
+                 device="cuda", **capacities):
+        super().__init__(variant, 2, page_size, kv_layout, device=device, **capacities)
+
+    def plan(self, shared_kv_indices, shared_last_page_len: int, unique_kv_indptr,
+             unique_kv_indices, unique_kv_last_page_len, num_qo_heads: int, num_kv_heads: int,
+             head_dim: int, *, q_dtype=torch.float16, sm_scale: float | None = None) -> None:
+        """shared_kv_indices: the prefix's pages (int32); shared_last_page_len: tokens on its
+        last page. unique_*: each request's own pages, as for BatchDecode.plan."""
+        batch = len(unique_kv_indptr) - 1
+        i32 = dict(dtype=torch.int32)
+        shared_pages = len(shared_kv_indices)
+        super().plan(
+            [torch.tensor([0, batch], **i32), torch.arange(batch + 1, **i32)],
+            [torch.tensor([0, shared_pages], **i32), unique_kv_indptr],
+            [shared_kv_indices, unique_kv_indices],
+            [torch.tensor([shared_last_page_len] if shared_pages else [0], **i32),
+             unique_kv_last_page_len],
+            num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, sm_scale=sm_scale)

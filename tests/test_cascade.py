@@ -1,0 +1,90 @@
+"""Cascade decode and multi-level cascades equal plain paged decode over the full page tables
+(CPU backend); beam-search-style parallel sampling as the example."""
+
+import pytest
+import torch
+
+import jitattn as ja
+
+from helpers import TOL
+
+
+def _pages(gen, n_tokens, page_size, next_page):
+    n = -(-n_tokens // page_size)
+    ids = list(range(next_page, next_page + n))
+    last = n_tokens - (n - 1) * page_size if n else 0
+    return ids, last
+
+
+def test_cascade_decode_equals_plain_decode():
+    """Parallel sampling: 6 continuations of one 150-token prompt, each with its own history."""
+    gen = torch.Generator().manual_seed(0)
+    page_size, hq, hkv, d = 16, 8, 2, 64
+    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    prompt_pages, prompt_last = _pages(gen, 144, page_size, 0)   # 9 full pages, shared
+    unique = [5, 1, 17, 40, 2, 16]
+    next_page, uniq_ids, uniq_last = len(prompt_pages), [], []
+    for n in unique:
+        ids, last = _pages(gen, n, page_size, next_page)
+        next_page += len(ids)
+        uniq_ids.append(ids)
+        uniq_last.append(last)
+    cache = tuple(torch.randn(next_page + 2, page_size, hkv, d, generator=gen).half()
+                  for _ in range(2))
+    q = torch.randn(len(unique), hq, d, generator=gen).half()
+    i32 = dict(dtype=torch.int32)
+
+    cd = ja.CascadeDecode(variant, page_size=page_size, device="cpu")
+    cd.plan(torch.tensor(prompt_pages, **i32), prompt_last,
+            torch.tensor([0, *torch.tensor([len(x) for x in uniq_ids]).cumsum(0).tolist()], **i32),
+            torch.tensor(sum(uniq_ids, []), **i32), torch.tensor(uniq_last, **i32), hq, hkv, d)
+    got, got_lse = cd.run(q, cache, return_lse=True)
+
+    # plain decode: every request's page table lists the prompt pages, then its own
+    full = [prompt_pages + ids for ids in uniq_ids]
+    plain = ja.BatchDecode(variant, page_size=page_size, device="cpu")
+    plain.plan(torch.tensor([0, *torch.tensor([len(x) for x in full]).cumsum(0).tolist()], **i32),
+               torch.tensor(sum(full, []), **i32), torch.tensor(uniq_last, **i32), hq, hkv, d)
+    ref, ref_lse = plain.run(q, cache, return_lse=True)
+    torch.testing.assert_close(got, ref, **TOL[torch.float16])
+    torch.testing.assert_close(got_lse, ref_lse, atol=2e-3, rtol=1e-4)
+
+
+def test_three_levels_system_prompt_fewshot_history():
+    gen = torch.Generator().manual_seed(1)
+    page_size, hq, hkv, d = 4, 4, 4, 64
+    variant = ja.Variant("causal", mask="causal")
+    cache = tuple(torch.randn(40, page_size, hkv, d, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(4, hq, d, generator=gen).bfloat16()
+    i32 = dict(dtype=torch.int32)
+    system = [0, 1, 2]                        # all 4 requests, 12 tokens
+    fewshot = {0: [3, 4], 1: [5]}             # requests 0-1 share [3, 4]; 2-3 share [5]
+    history = [[6], [7, 8], [9], []]          # request 3 has no history of its own
+    history_last = [3, 4, 1, 0]
+    levels = ja.MultiLevelCascade(variant, 3, page_size=page_size, device="cpu")
+    levels.plan(
+        qo_indptr=[torch.tensor([0, 4], **i32), torch.tensor([0, 2, 4], **i32),
+                   torch.arange(5, **i32)],
+        kv_indptr=[torch.tensor([0, 3], **i32), torch.tensor([0, 2, 3], **i32),
+                   torch.tensor([0, 1, 3, 4, 4], **i32)],
+        kv_indices=[torch.tensor(system, **i32), torch.tensor(fewshot[0] + fewshot[1], **i32),
+                    torch.tensor(sum(history, []), **i32)],
+        kv_last_page_len=[torch.tensor([4], **i32), torch.tensor([4, 4], **i32),
+                          torch.tensor(history_last, **i32)],
+        num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=torch.bfloat16)
+    got = levels.run(q, cache)
+    full = [system + fewshot[0] + history[0], system + fewshot[0] + history[1],
+            system + fewshot[1] + history[2], system + fewshot[1]]
+    last = [3, 4, 1, 4]
+    plain = ja.BatchDecode(variant, page_size=page_size, device="cpu")
+    plain.plan(torch.tensor([0, *torch.tensor([len(x) for x in full]).cumsum(0).tolist()], **i32),
+               torch.tensor(sum(full, []), **i32), torch.tensor(last, **i32), hq, hkv, d,
+               q_dtype=torch.bfloat16)
+    torch.testing.assert_close(got, plain.run(q, cache), **TOL[torch.bfloat16])
+
+
+def test_position_reading_variants_are_refused():
+    with pytest.raises(ValueError, match="do not read positions"):
+        ja.CascadeDecode(ja.Variant("w", window_left=8), device="cpu")
+    with pytest.raises(RuntimeError, match="before plan"):
+        ja.MultiLevelCascade(ja.Variant("c"), 2, device="cpu").run(torch.zeros(1, 4, 64), None)
