@@ -7,8 +7,8 @@ own history), and the levels' attention states are merged by LSE.
 The query rows of every level index the same q [total_q, heads, head_dim]; each level's
 qo_indptr groups them (a level need not contain every row). Levels other than the last attend
 without a mask (their keys all precede their queries); the last level uses the variant's own
-mask. Packing moves queries to other positions, so only variants that do not read positions are
-accepted (see shared_prefix.uses_positions).
+mask. Packing renumbers requests and moves queries to other positions, so only variants whose
+hooks read neither (shared_prefix.check_strategy, as for "cascade") are accepted.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import dataclasses
 
 import torch
 
-from .batch import BatchPrefill
+from .batch import BatchDecode, BatchPrefill
 from .merge import merge_state_in_place
-from .shared_prefix import uses_positions
+from .shared_prefix import check_strategy
 from .spec import Variant
 
 
@@ -33,12 +33,12 @@ class MultiLevelCascade:
             raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
         if isinstance(num_levels, bool) or not isinstance(num_levels, int) or num_levels < 1:
             raise ValueError(f"num_levels={num_levels!r}: expected an int >= 1")
-        if uses_positions(variant):
-            raise ValueError(f"cascade levels move queries to other positions, so they are exact "
-                             f"only for variants that do not read positions; {variant.name!r} "
-                             f"does")
+        if variant.mask not in ("none", "causal"):
+            raise ValueError(f"cascade levels take variants with mask 'none' or 'causal', got "
+                             f"{variant.mask!r}")
+        check_strategy(variant, "cascade")
         shared = dataclasses.replace(variant, mask="none")
-        self.variant = variant
+        self.variant, self.device = variant, torch.device(device)
         self.levels = [BatchPrefill(shared if i < num_levels - 1 else variant,
                                     page_size=page_size, kv_layout=kv_layout, device=device,
                                     **capacities) for i in range(num_levels)]
@@ -56,17 +56,27 @@ class MultiLevelCascade:
                           ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
             if not isinstance(arg, (list, tuple)) or len(arg) != n:
                 raise ValueError(f"{name} must be a list of {n} tensors (one per level)")
+        self._rows = None
         rows = []
         for i, level in enumerate(self.levels):
             level.plan(qo_indptr[i], kv_indptr[i], kv_indices[i], kv_last_page_len[i],
                        num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, sm_scale=sm_scale)
-            total = int(qo_indptr[i][-1])
-            r = torch.arange(total) if q_rows is None or q_rows[i] is None else \
-                torch.as_tensor(q_rows[i], dtype=torch.long)
-            if r.numel() != total:
-                raise ValueError(f"q_rows[{i}] has {r.numel()} rows; level {i} plans {total}")
-            rows.append(r)
+            rows.append(self._level_rows(i, int(qo_indptr[i][-1]), q_rows))
+        self._set_rows(rows)
+
+    def _level_rows(self, i: int, total: int, q_rows) -> torch.Tensor:
+        """Level i's rows of q on the device: given (unique, non-negative) or 0 .. total-1."""
+        r = torch.arange(total) if q_rows is None or q_rows[i] is None else \
+            torch.as_tensor(q_rows[i], dtype=torch.long).cpu()
+        if r.dim() != 1 or r.numel() != total:
+            raise ValueError(f"q_rows[{i}] has shape {tuple(r.shape)}; level {i} plans {total}")
+        if total and (r.min() < 0 or len(torch.unique(r)) != total):
+            raise ValueError(f"q_rows[{i}] must list distinct rows >= 0")
+        return r.to(self.device)
+
+    def _set_rows(self, rows: list) -> None:
         self._rows = rows
+        self._min_rows = max((int(r.max()) + 1 for r in rows if len(r)), default=0)
 
     def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False, **params):
         """Attention of q [total_q, heads, head_dim] over all levels, merged. Rows that no
@@ -75,8 +85,10 @@ class MultiLevelCascade:
             raise RuntimeError("MultiLevelCascade.run() called before plan()")
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        if q.shape[0] < self._min_rows:
+            raise ValueError(f"q has {q.shape[0]} rows; the plan uses rows up to "
+                             f"{self._min_rows - 1}")
         for level, rows in zip(self.levels, self._rows):
-            rows = rows.to(q.device)
             o, s = level.run(q[rows].contiguous(), kv_cache, return_lse=True, **params)
             o_acc, s_acc = out[rows], lse[rows]
             merge_state_in_place(o_acc, s_acc, o, s, reduction=self.variant.reduction)
@@ -91,19 +103,24 @@ class CascadeDecode(MultiLevelCascade):
     def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD", *,
                  device="cuda", **capacities):
         super().__init__(variant, 2, page_size, kv_layout, device=device, **capacities)
+        # the unique level has one query per request: the decode kernel
+        self.levels[1] = BatchDecode(variant, page_size=page_size, kv_layout=kv_layout,
+                                     device=device, **capacities)
 
     def plan(self, shared_kv_indices, shared_last_page_len: int, unique_kv_indptr,
              unique_kv_indices, unique_kv_last_page_len, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, *, q_dtype=torch.float16, sm_scale: float | None = None) -> None:
         """shared_kv_indices: the prefix's pages (int32); shared_last_page_len: tokens on its
         last page. unique_*: each request's own pages, as for BatchDecode.plan."""
+        self._rows = None
         batch = len(unique_kv_indptr) - 1
         i32 = dict(dtype=torch.int32)
         shared_pages = len(shared_kv_indices)
-        super().plan(
-            [torch.tensor([0, batch], **i32), torch.arange(batch + 1, **i32)],
-            [torch.tensor([0, shared_pages], **i32), unique_kv_indptr],
-            [shared_kv_indices, unique_kv_indices],
-            [torch.tensor([shared_last_page_len] if shared_pages else [0], **i32),
-             unique_kv_last_page_len],
-            num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, sm_scale=sm_scale)
+        self.levels[0].plan(torch.tensor([0, batch], **i32),
+                            torch.tensor([0, shared_pages], **i32), shared_kv_indices,
+                            torch.tensor([shared_last_page_len], **i32), num_qo_heads,
+                            num_kv_heads, head_dim, q_dtype=q_dtype, sm_scale=sm_scale)
+        self.levels[1].plan(unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len,
+                            num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
+                            sm_scale=sm_scale)
+        self._set_rows([self._level_rows(0, batch, None), self._level_rows(1, batch, None)])

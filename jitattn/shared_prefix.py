@@ -16,37 +16,77 @@ same for every request).
 - multi_item: one logical request with the multi-item mask (scheme 5a).
 - custom_mask: one logical request with an explicit mask (scheme 5b).
 
-cascade, multi_item and custom_mask move queries and keys to other positions inside their
-launches, so they are exact only for variants whose hooks do not read positions (no RoPE, no
-window, no q_idx / kv_idx in score_mod or mask_mod); for the others they raise ValueError.
+Strategies other than naive renumber requests, move tokens to other positions or change the
+batch's shape symbols inside their launches, so each accepts only the variants it computes
+exactly (see ALLOWED): cascade, multi_item and custom_mask need hooks that read neither
+positions (RoPE, window, q_idx / kv_idx) nor the request index b, nor tensors shaped by
+batch_size / qo_len / kv_len; split allows positions; ragged allows positions, b, and tensors
+shaped by batch_size / kv_len. Others raise ValueError naming the reason.
+Capacities: ragged and naive list M * P page entries (max_num_pages); custom_mask builds a
+dense (P + sum S)^2 mask (max_mask_bytes); pass larger capacities for big batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import numpy as np
 import torch
 
 from .batch import BatchPrefill
-from .merge import merge_state
+from .merge import merge_state_in_place
 from .prefix import multi_item_metadata
 from .spec import Variant
 
 STRATEGIES = ("naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
-_POSITION_FREE = ("cascade", "multi_item", "custom_mask")
+
+
+def _reads(variant: Variant, symbols: tuple) -> bool:
+    def walk(expr) -> bool:
+        if expr.op == "sym" and expr.args[0] in symbols:
+            return True
+        return any(walk(a) for a in expr.args if hasattr(a, "op"))
+    return any(walk(t.expr) for t in (variant.score, variant.mask_pred) if t is not None)
 
 
 def uses_positions(variant: Variant) -> bool:
     """Whether the variant's output depends on absolute token positions beyond causal order:
     fused RoPE, a sliding window, or a score_mod / mask_mod reading q_idx or kv_idx."""
-    def reads_positions(expr) -> bool:
-        if expr.op == "sym" and expr.args[0] in ("q_idx", "kv_idx"):
-            return True
-        return any(reads_positions(a) for a in expr.args if hasattr(a, "op"))
-    traced = [t.expr for t in (variant.score, variant.mask_pred) if t is not None]
-    return variant.pos_encoding is not None or variant.window_left is not None or any(
-        reads_positions(e) for e in traced)
+    return variant.pos_encoding is not None or variant.window_left is not None or \
+        _reads(variant, ("q_idx", "kv_idx"))
+
+
+def layout_features(variant: Variant) -> set:
+    """What in a variant depends on how a batch is laid out: "positions", "request" (reads
+    b), "qo_len" / "batch_or_kv_len" (tensor parameters shaped by those symbols)."""
+    features = set()
+    if uses_positions(variant):
+        features.add("positions")
+    if _reads(variant, ("b",)):
+        features.add("request")
+    for p in variant.tensor_params:
+        if "qo_len" in p.shape:
+            features.add("qo_len")
+        if "batch_size" in p.shape or "kv_len" in p.shape:
+            features.add("batch_or_kv_len")
+    return features
+
+
+#: The layout features each strategy computes exactly.
+ALLOWED = {"naive": {"positions", "request", "qo_len", "batch_or_kv_len"},
+           "ragged": {"positions", "request", "batch_or_kv_len"}, "split": {"positions"},
+           "cascade": set(), "multi_item": set(), "custom_mask": set()}
+
+
+def check_strategy(variant: Variant, strategy: str) -> None:
+    """Raise ValueError if ``strategy`` would not compute ``variant`` exactly."""
+    bad = layout_features(variant) - ALLOWED[strategy]
+    if bad:
+        raise ValueError(f"strategy {strategy!r} renumbers requests or moves tokens, so it "
+                         f"cannot run variant {variant.name!r}, whose hooks depend on "
+                         f"{sorted(bad)}; use one of "
+                         f"{[k for k, v in ALLOWED.items() if not (layout_features(variant) - v)]}")
 
 
 def _i32(values) -> torch.Tensor:
@@ -74,10 +114,8 @@ class SharedPrefixPrefill:
                              f"has mask={variant.mask!r}")
         if strategy not in STRATEGIES + ("auto",):
             raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES + ('auto',)}")
-        if strategy in _POSITION_FREE and uses_positions(variant):
-            raise ValueError(f"strategy {strategy!r} moves tokens to other positions, so it is "
-                             f"exact only for variants that do not read positions; "
-                             f"{variant.name!r} does (use naive, split or ragged)")
+        if strategy != "auto":
+            check_strategy(variant, strategy)
         self.variant, self.strategy, self.device = variant, strategy, torch.device(device)
         self._capacities = capacities
         self._wrappers: dict = {}
@@ -92,16 +130,22 @@ class SharedPrefixPrefill:
     def choose(self, prefix_len: int, suffix_lens) -> str:
         """The strategy "auto" takes for this batch."""
         m, longest = len(suffix_lens), max(suffix_lens, default=0)
-        if prefix_len >= 1024 and m >= 8 and longest <= 4 and not uses_positions(self.variant):
+        features = layout_features(self.variant)
+        if prefix_len >= 1024 and m >= 8 and longest <= 4 and not features:
             return "multi_item"
-        return "ragged"
+        return "ragged" if not features - ALLOWED["ragged"] else "naive"
 
     def plan(self, prefix_len: int, suffix_lens, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, *, q_dtype=torch.float16) -> str:
         """Plan a batch: prefix_len P >= 0 tokens shared by len(suffix_lens) >= 1 requests with
         suffixes of suffix_lens[i] >= 1 tokens. Returns the strategy used."""
-        suffix_lens = [int(s) for s in suffix_lens]
-        if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or prefix_len < 0:
+        self._steps = []  # a failed plan() leaves nothing half-planned behind
+        suffix_lens = [operator.index(s) for s in suffix_lens]
+        try:
+            prefix_len = operator.index(prefix_len)
+        except TypeError:
+            raise ValueError(f"prefix_len={prefix_len!r}: expected an int >= 0") from None
+        if prefix_len < 0 or isinstance(prefix_len, bool):
             raise ValueError(f"prefix_len={prefix_len!r}: expected an int >= 0")
         if not suffix_lens or min(suffix_lens) < 1:
             raise ValueError(f"suffix_lens={suffix_lens}: expected at least one request, each "
@@ -114,7 +158,9 @@ class SharedPrefixPrefill:
                      q_dtype=q_dtype)
         prefix_ids = np.arange(p)
         own = [np.arange(a, a + n) for a, n in zip(starts, s)]
-        steps = []  # (wrapper name, q rows, output rows or None, kind)
+        steps = []  # (wrapper name, rows: slice of the layout or index tensors, kind)
+        total = p + sum(s)
+        first_suffix = p + s[0]
 
         def paged(name, variant, q_rows_per_req, kv_ids_per_req, **mask):
             w = self._wrapper(name, variant, "NHD")
@@ -127,40 +173,42 @@ class SharedPrefixPrefill:
         if strategy == "naive":
             rows = [np.concatenate([prefix_ids, o]) for o in own]
             paged("naive", self.variant, rows, rows)
-            steps.append(("naive", np.concatenate(rows), "naive"))
+            gather = np.concatenate(rows)
+            _, first = np.unique(gather, return_index=True)  # request 0 owns the prefix rows
+            as_dev = lambda x: torch.as_tensor(x, dtype=torch.long, device=self.device)  # noqa
+            steps.append(("naive", (as_dev(gather), as_dev(first), as_dev(gather[first])),
+                          "naive"))
         elif strategy in ("split", "ragged"):
             first = np.concatenate([prefix_ids, own[0]])
             rest_q = own[1:]
             rest_kv = [np.concatenate([prefix_ids, o]) for o in own[1:]]
             if strategy == "ragged":
                 paged("ragged", self.variant, [first] + rest_q, [first] + rest_kv)
-                steps.append(("ragged", np.concatenate([first] + rest_q), "direct"))
+                steps.append(("ragged", slice(0, total), "direct"))
             else:
                 paged("split0", self.variant, [first], [first])
-                steps.append(("split0", first, "direct"))
+                steps.append(("split0", slice(0, first_suffix), "direct"))
                 if rest_q:
                     paged("split1", self.variant, rest_q, rest_kv)
-                    steps.append(("split1", np.concatenate(rest_q), "direct"))
+                    steps.append(("split1", slice(first_suffix, total), "direct"))
         elif strategy == "cascade":
             if p:
                 paged("prefix", self.variant, [prefix_ids], [prefix_ids])
-                steps.append(("prefix", prefix_ids, "direct"))
-            suffix_rows = np.concatenate(own)
+                steps.append(("prefix", slice(0, p), "direct"))
             paged("unique", self.variant, own, own)
-            steps.append(("unique", suffix_rows, "unique"))
+            steps.append(("unique", slice(p, total), "unique"))
             if p:
                 shared = dataclasses.replace(self.variant, mask="none")
-                paged("shared", shared, [suffix_rows], [prefix_ids])
-                steps.append(("shared", suffix_rows, "shared"))
+                paged("shared", shared, [np.arange(p, total)], [prefix_ids])
+                steps.append(("shared", slice(p, total), "shared"))
         elif strategy == "multi_item":
             prefix, positions, longest = multi_item_metadata(p, s)
             rows = np.arange(p + sum(s))
             paged("multi", dataclasses.replace(self.variant, mask="multi_item"), [rows], [rows],
                   prefix_len=_i32([prefix]), token_pos_in_items=_i32(positions),
                   max_item_len=_i32([longest]))
-            steps.append(("multi", rows, "direct"))
+            steps.append(("multi", slice(0, total), "direct"))
         else:  # custom_mask
-            total = p + sum(s)
             item = np.full(total, -1)
             for i, o in enumerate(own):
                 item[o] = i
@@ -169,9 +217,9 @@ class SharedPrefixPrefill:
             rows = np.arange(total)
             paged("custom", dataclasses.replace(self.variant, mask="custom"), [rows], [rows],
                   custom_mask=torch.from_numpy(visible.reshape(-1)))
-            steps.append(("custom", rows, "direct"))
+            steps.append(("custom", slice(0, total), "direct"))
         self._steps = steps
-        self._planned = dict(total=p + sum(s), heads=heads, strategy=strategy)
+        self._planned = dict(total=total, heads=heads, strategy=strategy)
         return strategy
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **params) -> torch.Tensor:
@@ -185,22 +233,18 @@ class SharedPrefixPrefill:
                              f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
         cache = (k.unsqueeze(1), v.unsqueeze(1))  # pages of one token over the token layout
         out = torch.empty_like(q)
-        unique = None
+        unique_lse = None
         for name, rows, kind in self._steps:
             w = self._wrappers[name]
-            q_rows = torch.as_tensor(rows, device=q.device, dtype=torch.long)
-            if kind == "naive":  # each token's first occurrence: request 0 owns the prefix rows
-                o = w.run(q[q_rows].contiguous(), cache, **params)
-                _, first = np.unique(rows, return_index=True)
-                first = torch.as_tensor(first, device=q.device)
-                out[q_rows[first]] = o[first]
+            if kind == "naive":
+                gather, first, dest = rows
+                out[dest] = w.run(q[gather], cache, **params)[first]
             elif kind == "direct":
-                out[q_rows] = w.run(q[q_rows].contiguous(), cache, **params)
+                w.run(q[rows], cache, out=out[rows], **params)
             elif kind == "unique":
-                unique = w.run(q[q_rows].contiguous(), cache, return_lse=True, **params)
-                out[q_rows] = unique[0]
-            else:  # shared level: merge with the unique level
-                o_s, lse_s = w.run(q[q_rows].contiguous(), cache, return_lse=True, **params)
-                out[q_rows] = merge_state(o_s, lse_s, unique[0], unique[1],
-                                          reduction=self.variant.reduction)[0]
+                _, unique_lse = w.run(q[rows], cache, out=out[rows], return_lse=True, **params)
+            else:  # shared level: merged into the unique level's rows in place
+                o_s, lse_s = w.run(q[rows], cache, return_lse=True, **params)
+                merge_state_in_place(out[rows], unique_lse, o_s, lse_s,
+                                     reduction=self.variant.reduction)
         return out

@@ -84,7 +84,22 @@ def test_three_levels_system_prompt_fewshot_history():
 
 
 def test_position_reading_variants_are_refused():
-    with pytest.raises(ValueError, match="do not read positions"):
+    with pytest.raises(ValueError, match=r"depend on \['positions'\]"):
         ja.CascadeDecode(ja.Variant("w", window_left=8), device="cpu")
     with pytest.raises(RuntimeError, match="before plan"):
         ja.MultiLevelCascade(ja.Variant("c"), 2, device="cpu").run(torch.zeros(1, 4, 64), None)
+
+
+def test_level_rows_are_checked():
+    levels = ja.MultiLevelCascade(ja.Variant("c"), 2, page_size=4, device="cpu")
+    i32 = dict(dtype=torch.int32)
+    args = ([torch.tensor([0, 2], **i32)] * 2, [torch.tensor([0, 1], **i32)] * 2,
+            [torch.tensor([0], **i32)] * 2, [torch.tensor([4], **i32)] * 2, 4, 4, 64)
+    with pytest.raises(ValueError, match="distinct rows"):
+        levels.plan(*args, q_rows=[torch.tensor([0, 0]), None])
+    levels.plan(*args, q_rows=[torch.tensor([3, 1]), None])
+    cache = tuple(torch.randn(2, 4, 4, 64).half() for _ in range(2))
+    with pytest.raises(ValueError, match="uses rows up to 3"):
+        levels.run(torch.randn(2, 4, 64).half(), cache)
+    with pytest.raises(ValueError, match="mask"):
+        ja.MultiLevelCascade(ja.Variant("m", mask="custom"), 2, device="cpu")

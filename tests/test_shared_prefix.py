@@ -60,7 +60,7 @@ def test_position_dependent_variants_on_exact_strategies(strategy):
     torch.testing.assert_close(sp.run(q, k, v),
                                _per_request_reference(variant, q, k, v, prefix, suffixes),
                                **TOL[torch.bfloat16])
-    with pytest.raises(ValueError, match="do not read positions"):
+    with pytest.raises(ValueError, match=r"depend on \['positions'\]"):
         SharedPrefixPrefill(variant, "cascade", device="cpu")
 
 
@@ -104,3 +104,30 @@ def test_cascade_merges_sigmoid_states_by_addition():
     torch.testing.assert_close(sp.run(q, k, v),
                                _per_request_reference(variant, q, k, v, prefix, suffixes),
                                atol=2e-2, rtol=2e-2)  # unnormalised sums of up to 73 terms
+
+
+def test_variants_reading_the_request_index_are_refused_where_renumbered():
+    temp = torch.tensor([0.5, 1.0, 2.0])
+
+    def per_request_temperature(score, b, h, q_idx, kv_idx):
+        return score * temp[b]
+    variant = ja.Variant("temp", score_mod=per_request_temperature)
+    for strategy in ("split", "cascade", "multi_item", "custom_mask"):
+        with pytest.raises(ValueError, match="request"):
+            SharedPrefixPrefill(variant, strategy, device="cpu")
+    prefix, suffixes = 20, [3, 5, 2]
+    q, k, v = _layout(prefix, suffixes, 4, 4, 64, torch.float16, seed=9)
+    for strategy in ("naive", "ragged", "auto"):
+        sp = SharedPrefixPrefill(variant, strategy, device="cpu")
+        sp.plan(prefix, suffixes, 4, 4, 64)
+        ref = torch.empty_like(q)
+        start = prefix
+        for i, n in enumerate(suffixes):  # request i with its own temperature, on its own
+            idx = torch.cat([torch.arange(prefix), torch.arange(start, start + n)])
+            one = ja.Variant("temp1", score_mod=lambda s, b, h, qi, ki, t=float(temp[i]): s * t)
+            o = ja.attention(q[idx], k[idx], v[idx], one)
+            ref[start:start + n] = o[prefix:]
+            if i == 0:
+                ref[:prefix] = o[:prefix]
+            start += n
+        torch.testing.assert_close(sp.run(q, k, v), ref, **TOL[torch.float16])
