@@ -82,34 +82,57 @@ class PrefixTrie:
 
     def groups(self, min_members: int = 2) -> list[PrefixGroup]:
         """Partition the inserted requests into groups that share a block prefix, choosing at
-        every branch of the trie whatever saves more prefix tokens: keep the members together
-        at this depth (saving prefix_len * (members - 1)), or let the branches go deeper
-        apart. Groups smaller than ``min_members`` get prefix_len 0. Deterministic: groups
-        ordered by their first member."""
-        _, groups = self._best(self.root, 0, min_members)
-        return sorted(groups, key=lambda g: g.members[0])
+        every branch of the trie what saves more prefix tokens (saving = prefix_len *
+        (members - 1)): keep the members together at this depth, or let the branches go
+        deeper apart, in which case the members the branches leave alone are grouped at this
+        depth. Groups smaller than ``min_members`` get prefix_len 0. Deterministic: groups
+        ordered by their first member. Iterative, so deep tries of many branches are fine."""
+        # branch points (chains of single children are walked, not stacked), post-order
+        best = {}  # id(node) -> (saving, groups)
+        stack = [(self.root, 0, False)]
+        while stack:
+            node, depth, expanded = stack.pop()
+            while len(node.children) == 1:
+                (nxt,) = node.children.values()
+                if len(nxt.members) != len(node.members):
+                    break
+                node, depth = nxt, depth + 1
+            if not expanded and node.children:
+                stack.append((node, depth, True))
+                stack += [(child, depth + 1, False) for child in node.children.values()]
+                continue
+            best[id(node)] = self._choose(node, depth, min_members, best)
+        return sorted(best[id(self._walk(self.root))][1], key=lambda g: g.members[0])
 
-    def _best(self, node: _Node, depth: int, min_members: int):
-        # follow the chain while every member goes on together (no recursion per block)
+    def _walk(self, node: _Node) -> _Node:
         while len(node.children) == 1:
             (nxt,) = node.children.values()
             if len(nxt.members) != len(node.members):
                 break
-            node, depth = nxt, depth + 1
-        n = len(node.members)
-        together = n >= min_members and depth > 0
-        stay = (depth * self.block_size * (n - 1) if together else 0,
-                [PrefixGroup(depth * self.block_size if together else 0, tuple(node.members))]
-                if together else [PrefixGroup(0, (m,)) for m in node.members])
+            node = nxt
+        return node
+
+    def _choose(self, node: _Node, depth: int, min_members: int, best: dict):
+        size = depth * self.block_size
+
+        def together(members):
+            if len(members) >= min_members and depth > 0:
+                return size * (len(members) - 1), [PrefixGroup(size, tuple(members))]
+            return 0, [PrefixGroup(0, (m,)) for m in members]
+        stay = together(node.members)
         if not node.children:
             return stay
-        saving, groups, covered = 0, [], set()
+        saving, groups, alone = 0, [], []
         for child in node.children.values():
-            s, g = self._best(child, depth + 1, min_members)
-            saving, groups = saving + s, groups + g
-            covered.update(child.members)
-        groups += [PrefixGroup(0, (m,)) for m in node.members if m not in covered]
-        return stay if stay[0] >= saving and together else (saving, groups)
+            s, g = best[id(self._walk(child))]
+            saving += s
+            for group in g:
+                (alone.extend(group.members) if group.prefix_len == 0 else groups.append(group))
+        covered = {m for c in node.children.values() for m in c.members}
+        alone += [m for m in node.members if m not in covered]
+        s, g = together(sorted(alone))
+        split = (saving + s, groups + g)
+        return stay if stay[0] >= split[0] else split
 
 
 def find_shared_prefixes(requests: Sequence[Sequence[int]], block_size: int,
@@ -122,13 +145,8 @@ def find_shared_prefixes(requests: Sequence[Sequence[int]], block_size: int,
     """
     trie = PrefixTrie(block_size)
     for tokens in requests:
-        trie.insert(tokens)
-    out = []
-    for g in trie.groups(min_members):
-        shortest = min(len(requests[m]) for m in g.members)
-        cap = (shortest - 1) // block_size * block_size if shortest else 0
-        out.append(PrefixGroup(min(g.prefix_len, cap), g.members))
-    return out
+        trie.insert(list(tokens)[:-1])  # the last token is never shared
+    return trie.groups(min_members)
 
 
 def multi_item_metadata(prefix_len: int, item_lens: Sequence[int]):

@@ -66,3 +66,22 @@ def test_long_prompts_do_not_recurse_per_block():
     shared = list(range(20000))
     groups = find_shared_prefixes([shared + [1], shared + [2], shared + [2, 3]], 1)
     assert groups == [PrefixGroup(20000, (0, 1, 2))]
+
+
+def test_members_left_by_deeper_branches_still_share_the_shallow_prefix():
+    deep = list(range(200))
+    reqs = [deep + [i] for i in range(10)] + [deep[:100] + [1000 + i] * 5 for i in range(5)]
+    groups = find_shared_prefixes(reqs, 10)
+    assert PrefixGroup(200, tuple(range(10))) in groups
+    assert PrefixGroup(100, tuple(range(10, 15))) in groups
+
+
+def test_exact_block_multiples_and_many_branches():
+    # 3 duplicate pairs of exactly 2 blocks, all sharing block 0: only block 0 is shareable
+    # (each request keeps its last token), so all six go together
+    b0 = [1, 2, 3, 4]
+    reqs = [b0 + [10 + p] * 4 for p in range(3) for _ in range(2)]
+    assert find_shared_prefixes(reqs, 4) == [PrefixGroup(4, tuple(range(6)))]
+    staircase = [list(range(4 * (i + 1) + 1)) for i in range(1500)]  # each one block longer
+    groups = find_shared_prefixes(staircase, 4)
+    assert sorted(m for g in groups for m in g.members) == list(range(1500))
