@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from . import dtypes, launch
+from . import dtypes, launch, ops
 from .render import HEAD_DIMS
 from .spec import Variant
 
@@ -97,6 +97,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     Queries are aligned to the end of their request's KV (query i sits at position
     kv_len - qo_len + i; FlashInfer's convention).
 
+    Under torch.compile the call is one custom op (jitattn.ops), checked when it runs.
     Raises TypeError / ValueError naming the argument before any launch; CompileError or
     SpecError if the variant cannot be built. One launch; a request with qo_len == 1 for every
     request uses the decode kernel (warps split the KV range).
@@ -105,6 +106,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     """
     if not isinstance(variant, Variant):
         raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
+    if torch.compiler.is_compiling():  # one opaque custom op: no host reads, no graph break
+        return ops.attention_traced(q, k, v, variant, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                                    sm_scale=sm_scale, return_lse=return_lse, params=params)
     if variant.mask in ("custom", "multi_item"):
         raise ValueError(f"variant {variant.name!r} has mask={variant.mask!r}, whose data is "
                          f"given to BatchPrefill.plan(); attention() takes none or causal")

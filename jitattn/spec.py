@@ -22,6 +22,9 @@ from . import dsl
 from .dsl import ScalarParam, SpecError, TensorParam
 
 MASKS = ("none", "causal", "custom", "multi_item")
+#: Called with every new Variant (ops.py registers torch custom ops here, so that nothing has
+#: to be registered while torch.compile traces).
+ON_CREATE: list = []
 REDUCTIONS = ("softmax", "sigmoid")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -140,6 +143,8 @@ class Variant:
         object.__setattr__(self, "_params", tuple(dsl.params_of(*exprs)))
         object.__setattr__(self, "_key", self._compute_key())
         object.__setattr__(self, "_direct_index", tuple(_direct_indices(*exprs)))
+        for hook in ON_CREATE:  # e.g. ops.py registers the variant's torch custom op
+            hook(self)
 
     # -- identity ---------------------------------------------------------------------------------
     @property

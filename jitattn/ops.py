@@ -1,0 +1,79 @@
+"""torch.library custom ops for jitattn's entry points, so that torch.compile(fullgraph=True)
+traces a model that calls jitattn without graph breaks.
+
+One op is registered per variant (the variant's code and captured tensors are fixed by the op;
+its runtime parameters are op arguments), with a fake implementation that only produces output
+shapes. ``jitattn.attention`` routes through the op while torch.compile traces; eagerly it runs
+directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+from .dsl import ScalarParam
+from .spec import ON_CREATE, Variant
+
+_OPS: dict = {}
+
+_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? qo_indptr, Tensor? kv_indptr, float sm_scale, "
+           "Tensor[] tensors, float[] scalars) -> (Tensor, Tensor)")
+
+
+def _op_name(variant: Variant) -> str:
+    captured = ",".join(str(id(p.captured)) for p in variant.tensor_params if p.captured is not None)
+    digest = hashlib.sha256(f"{variant.key}|{captured}".encode()).hexdigest()[:16]
+    return f"jitattn::attention_{digest}"
+
+
+def _split_params(variant: Variant, params: dict) -> tuple[list, list]:
+    tensors, scalars = [], []
+    for p in variant.params:
+        if p.name not in params:
+            continue  # captured: bound by the op's own variant
+        (scalars if isinstance(p, ScalarParam) else tensors).append(params[p.name])
+    return tensors, [float(x) for x in scalars]
+
+
+def attention_op(variant: Variant):
+    """The custom op computing ``jitattn.attention`` for ``variant``, registered when the
+    variant is created (spec.ON_CREATE) and kept on it as ``variant._attention_op``."""
+    name = _op_name(variant)
+    op = _OPS.get(name)
+    if op is not None:
+        object.__setattr__(variant, "_attention_op", op)
+        return op
+    from .api import attention  # the eager implementation
+    scalar_names = [p.name for p in variant.params if isinstance(p, ScalarParam)]
+    tensor_names = [p.name for p in variant.params
+                    if not isinstance(p, ScalarParam) and p.captured is None]
+
+    def impl(q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
+        params = dict(zip(tensor_names, tensors)) | dict(zip(scalar_names, scalars))
+        kw = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr) if qo_indptr is not None else {}
+        return attention(q, k, v, variant, sm_scale=sm_scale, return_lse=True, **kw, **params)
+
+    def fake(q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
+        return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+    op = torch.library.custom_op(name, impl, mutates_args=(), schema=_SCHEMA)
+    op.register_fake(fake)
+    _OPS[name] = op
+    object.__setattr__(variant, "_attention_op", op)
+    return op
+
+
+ON_CREATE.append(attention_op)
+
+
+def attention_traced(q, k, v, variant, *, qo_indptr, kv_indptr, sm_scale, return_lse, params):
+    """``jitattn.attention`` while torch.compile traces: no host reads, one custom op."""
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    tensors, scalars = _split_params(variant, params)
+    out, lse = variant._attention_op(q, k, v, qo_indptr, kv_indptr, float(sm_scale), tensors,
+                                     scalars)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,64 @@
+"""torch.compile(fullgraph=True) of a model that calls jitattn: one custom op, fake tensors."""
+
+import torch
+
+import jitattn as ja
+from jitattn import reference
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, variant, hq=4, hkv=2, d=64):
+        super().__init__()
+        self.variant, self.hq, self.hkv, self.d = variant, hq, hkv, d
+        self.qkv = torch.nn.Linear(32, (hq + 2 * hkv) * d, dtype=torch.float16)
+
+    def forward(self, x, slopes, qo_indptr, kv_indptr):
+        q, k, v = self.qkv(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], -1)
+        q = q.reshape(-1, self.hq, self.d).contiguous()
+        k = k.reshape(-1, self.hkv, self.d).contiguous()
+        v = v.reshape(-1, self.hkv, self.d).contiguous()
+        return ja.attention(q, k, v, self.variant, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                            slopes=slopes, cap=20.0)
+
+
+def test_fullgraph_compile_matches_eager():
+    slopes_p = ja.tensor("slopes", ("num_qo_heads",), "float32")
+    cap = ja.scalar("cap")
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return cap * ja.tanh(score / cap) + slopes_p[h] * (kv_idx - q_idx)
+    variant = ja.Variant("compiled", score_mod=mod)
+    torch.manual_seed(0)
+    model = TinyAttention(variant)
+    x = torch.randn(23, 32, dtype=torch.float16)
+    slopes = ja.alibi_slopes(4)
+    indptr = torch.tensor([0, 9, 23], dtype=torch.int32)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.inference_mode():  # jitattn is an inference engine: no backward formula
+        eager = model(x, slopes, indptr, indptr)
+        out = compiled(x, slopes, indptr, indptr)
+    torch.testing.assert_close(out, eager)
+    with torch.no_grad():
+        q, k, v = model.qkv(x).split([256, 128, 128], -1)
+        ref = reference.attention(q.reshape(-1, 4, 64), k.reshape(-1, 2, 64),
+                                  v.reshape(-1, 2, 64), variant, qo_indptr=indptr,
+                                  kv_indptr=indptr, slopes=slopes, cap=20.0)
+    torch.testing.assert_close(out, ref.half(), atol=3e-3, rtol=3e-3)
+
+
+def test_the_graph_holds_one_jitattn_op():
+    variant = ja.Variant("compiled_plain", mask="causal")
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    def f(q, k, v):
+        return ja.attention(q, k, v, variant) * 2
+
+    q, k = torch.randn(7, 4, 64).half(), torch.randn(9, 4, 64).half()
+    with torch.inference_mode():
+        out = torch.compile(f, fullgraph=True, backend=recording_backend)(q, k, k)
+    assert len(graphs) == 1 and graphs[0].count("jitattn.attention_") == 1
+    torch.testing.assert_close(out, ja.attention(q, k, k, variant) * 2)
