@@ -1,0 +1,1 @@
+"""Integrations of jitattn with other libraries (imported on demand)."""
