@@ -1,4 +1,5 @@
-"""``jitattn bench decode | prefill``: jitattn beside torch SDPA (flash, cuDNN) and FlexAttention
+"""``jitattn bench decode | prefill`` (and ``shared-prefix | cascade``, in bench_shared.py):
+jitattn beside torch SDPA (flash, cuDNN) and FlexAttention
 in one process on the GPU, with the device's copy bandwidth and GEMM rate measured in the same
 run. Median of many CUDA-event-timed runs on fresh random inputs (never zeros)."""
 
@@ -15,10 +16,18 @@ import torch.nn.functional as F
 import jitattn as ja
 
 
-def timed(fn, *, reps: int = 50, warmup: int = 5) -> float:
-    """Median milliseconds of fn() over reps runs, each between two CUDA events."""
+def timed(fn, *, reps: int = 50, warmup: int = 5, device: str = "cuda") -> float:
+    """Median milliseconds of fn() over reps runs, each between two CUDA events (on the CPU,
+    between two wall-clock reads: only for smoke tests of the benchmark code)."""
     for _ in range(warmup):
         fn()
+    if device == "cpu":
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -184,10 +193,16 @@ def report(rows: list[dict], json_path: str | None) -> str:
     return "\n".join(lines)
 
 
-def main(kind: str, quick: bool, json_path: str | None) -> int:
+def main(kind: str, quick: bool, json_path: str | None, png_path: str | None = None) -> int:
     if not torch.cuda.is_available():
         print("jitattn bench needs a CUDA GPU")
         return 2
+    if kind in ("shared-prefix", "cascade"):
+        from . import bench_shared
+        rows = bench_shared.grid(quick, "cuda") if kind == "shared-prefix" else \
+            bench_shared.cascade_decode(quick, "cuda")
+        print(bench_shared.report_grid(rows, json_path, png_path))
+        return 0
     rows = bench_decode(quick) if kind == "decode" else bench_prefill(quick)
     print(report(rows, json_path))
     return 0 if all(math.isfinite(r["ms"]) for r in rows) else 1

@@ -83,7 +83,7 @@ def _compile(args) -> int:
 
 def _bench(args) -> int:
     from . import bench  # imports the peers (SDPA, FlexAttention) only when asked
-    return bench.main(args.kind, args.quick, args.json)
+    return bench.main(args.kind, args.quick, args.json, args.png)
 
 
 def main(argv=None) -> int:
@@ -103,9 +103,10 @@ def main(argv=None) -> int:
     b.add_argument("--cpu", action="store_true", help="build the CPU backend instead")
     b.set_defaults(fn=_compile)
     r = sub.add_parser("bench", help="time jitattn beside SDPA and FlexAttention (GPU)")
-    r.add_argument("kind", choices=["decode", "prefill"])
+    r.add_argument("kind", choices=["decode", "prefill", "shared-prefix", "cascade"])
     r.add_argument("--quick", action="store_true", help="skip FlexAttention and long cases")
     r.add_argument("--json", help="write the rows and metadata to this file")
+    r.add_argument("--png", help="shared-prefix: plot speedup over naive per strategy here")
     r.set_defaults(fn=_bench)
     args = parser.parse_args(argv)
     if args.command == "compile" and not args.cpu and env.nvcc_path() is None:

@@ -1,0 +1,120 @@
+"""``jitattn bench shared-prefix | cascade``: the shared-prefix survey's grid (P in {96, 8196},
+S in {4, 256}, M in {2, 32}, heads 16/8, head_dim 128, fp16) with every strategy and auto,
+torch SDPA on the per-request batch as a peer; and cascade decode against plain paged decode.
+Timing as in bench.py (CUDA events, median)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+import jitattn as ja
+
+from .bench import timed
+from .shared_prefix import STRATEGIES, SharedPrefixPrefill
+
+GRID = [(p, s, m) for p in (96, 8196) for s in (4, 256) for m in (2, 32)]
+CAPACITIES = dict(max_num_pages=1 << 22, max_mask_bytes=1 << 26, max_work_items=1 << 18,
+                  max_partial_rows=1 << 16)
+
+
+def grid(quick: bool, device: str) -> list[dict]:
+    """One row per (cell, implementation): ms and speedup over naive."""
+    hq, hkv, d, dtype = 16, 8, 128, torch.float16
+    cells = [(16, 2, 2), (40, 3, 4)] if quick else GRID
+    variant = ja.Variant("causal", mask="causal")
+    rows = []
+    for p, s, m in cells:
+        n = p + s * m
+        gen = torch.Generator(device=device).manual_seed(p + s + m)
+        q, k, v = (torch.randn(n, h, d, generator=gen, device=device, dtype=dtype)
+                   for h in (hq, hkv, hkv))
+        times = {}
+        for strategy in STRATEGIES + ("auto",):
+            sp = SharedPrefixPrefill(variant, strategy, device=device, **CAPACITIES)
+            chosen = sp.plan(p, [s] * m, hq, hkv, d)
+            label = f"auto ({chosen})" if strategy == "auto" else strategy
+            times[label] = timed(lambda: sp.run(q, k, v), reps=5 if quick else 20, warmup=2,
+                                 device=device)
+        if device == "cuda":  # the peer: every request [P, S_i] on its own, one SDPA call
+            idx = torch.cat([torch.cat([torch.arange(p), torch.arange(p + i * s, p + (i + 1) * s)])
+                             for i in range(m)]).to(device)
+            qb, kb, vb = (t[idx].view(m, p + s, -1, d).transpose(1, 2).contiguous()
+                          for t in (q, k, v))
+            times["SDPA (per-request batch)"] = timed(
+                lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True,
+                                                       enable_gqa=True), reps=20, warmup=2)
+        for label, ms in times.items():
+            rows.append({"case": f"P{p} S{s} M{m}", "impl": label, "ms": ms,
+                         "speedup": times["naive"] / ms})
+    return rows
+
+
+def cascade_decode(quick: bool, device: str) -> list[dict]:
+    """Cascade decode vs plain paged decode: batch 64 / prefix 32768 / suffix 128 and
+    batch 16 / prefix 1024 / suffix 128, GQA 32/8, head_dim 128, page 16, fp16."""
+    hq, hkv, d, page, dtype = 32, 8, 128, 16, torch.float16
+    cases = [(4, 256, 32)] if quick else [(64, 32768, 128), (16, 1024, 128)]
+    variant = ja.Variant("causal", mask="causal")
+    i32 = dict(dtype=torch.int32)
+    rows = []
+    for batch, prefix, suffix in cases:
+        pp, sp = prefix // page, suffix // page
+        cache = tuple(torch.randn(pp + sp * batch, page, hkv, d, device=device, dtype=dtype)
+                      for _ in range(2))
+        q = torch.randn(batch, hq, d, device=device, dtype=dtype)
+        shared = torch.arange(pp, **i32)
+        own = torch.arange(pp, pp + sp * batch, **i32)
+        cascade = ja.CascadeDecode(variant, page_size=page, device=device, **CAPACITIES)
+        cascade.plan(shared, page, torch.arange(0, sp * batch + 1, sp, **i32), own,
+                     torch.full((batch,), page, **i32), hq, hkv, d)
+        plain = ja.BatchDecode(variant, page_size=page, device=device, **CAPACITIES)
+        plain.plan(torch.arange(0, (pp + sp) * batch + 1, pp + sp, **i32),
+                   torch.cat([torch.cat([shared, own[i * sp:(i + 1) * sp]])
+                              for i in range(batch)]),
+                   torch.full((batch,), page, **i32), hq, hkv, d)
+        reps = 5 if quick else 50
+        t_plain = timed(lambda: plain.run(q, cache), reps=reps, device=device)
+        t_cascade = timed(lambda: cascade.run(q, cache), reps=reps, device=device)
+        case = f"b{batch} prefix{prefix} suffix{suffix}"
+        rows += [{"case": case, "impl": "plain decode", "ms": t_plain, "speedup": 1.0},
+                 {"case": case, "impl": "cascade", "ms": t_cascade,
+                  "speedup": t_plain / t_cascade}]
+    return rows
+
+
+def report_grid(rows: list[dict], json_path: str | None, png_path: str | None = None) -> str:
+    """A markdown table (and optionally JSON and a PNG of speedup per strategy)."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "torch": torch.__version__,
+            "jitattn": ja.__version__}
+    lines = [f"{meta['date']}  {gpu}  torch {meta['torch']}  jitattn {meta['jitattn']}",
+             "| case | implementation | ms | speedup over the first row |", "|---|---|---|---|"]
+    lines += [f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['speedup']:.2f}x |"
+              for r in rows]
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if png_path:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        cases = list(dict.fromkeys(r["case"] for r in rows))
+        impls = list(dict.fromkeys(r["impl"] for r in rows))
+        fig, ax = plt.subplots(figsize=(12, 4))
+        width = 0.8 / len(impls)
+        for j, impl in enumerate(impls):
+            ys = [next((r["speedup"] for r in rows if r["case"] == c and r["impl"] == impl), 0)
+                  for c in cases]
+            ax.bar([i + j * width for i in range(len(cases))], ys, width, label=impl)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases)
+        ax.set_yscale("log")
+        ax.set_ylabel("speedup over naive")
+        ax.legend(fontsize=7, ncol=4)
+        fig.tight_layout()
+        fig.savefig(png_path, dpi=110)
+        plt.close(fig)
+    return "\n".join(lines)
