@@ -23,7 +23,6 @@ FROM_NAME = {
     "int64": torch.int64,
     "bool": torch.bool,
 }
-NAME = {v: k for k, v in FROM_NAME.items()}
 
 #: C++ type per tag, per backend. The CPU backend keeps 16-bit floats as tagged uint16 structs.
 CTYPE = {
