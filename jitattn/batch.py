@@ -239,7 +239,7 @@ class BatchPrefill:
         views, offset = {}, 0
         for name, n in sizes.items():
             views[name] = (offset, n)
-            offset += n
+            offset += -(-n // 4) * 4  # 16-byte aligned: the kernels read requests/items as int4
         self._ws = dict(
             ints=torch.zeros(offset, dtype=torch.int32, device=dev),
             pinned=torch.zeros(offset, dtype=torch.int32, pin_memory=dev.type == "cuda"),

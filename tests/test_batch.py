@@ -243,3 +243,14 @@ def test_packed_mask_offsets_must_start_at_zero():
         w.plan(torch.tensor([0, 2], dtype=torch.int32), kv_indptr, kv_indices, last, 4, 2, 64,
                packed_custom_mask=torch.zeros(3, dtype=torch.uint8),
                mask_indptr=torch.tensor([-3, 0], dtype=torch.int32))
+
+
+def test_workspace_views_are_16_byte_aligned():
+    """The CUDA kernels read the request table and the work items as int4: every view of the
+    workspace must start on a 16-byte boundary (a misaligned one is a CUDA error 716)."""
+    w = ja.BatchDecode(ja.Variant("plain"), page_size=16, device="cpu")
+    _, kv_indptr, kv_indices, last = make_paged([3, 40], 2, 64, 16, "NHD", torch.float16, "cpu",
+                                                seed=0)
+    w.plan(kv_indptr, kv_indices, last, 4, 2, 64)
+    for name in w._ws["views"]:
+        assert w._view(name).data_ptr() % 16 == 0, name
