@@ -18,7 +18,7 @@ from .shared_prefix import STRATEGIES, SharedPrefixPrefill
 
 GRID = [(p, s, m) for p in (96, 8196) for s in (4, 256) for m in (2, 32)]
 CAPACITIES = dict(max_num_pages=1 << 22, max_mask_bytes=1 << 26, max_work_items=1 << 20,
-                  max_partial_rows=1 << 16)
+                  max_partial_rows=1 << 18)
 
 
 def grid(quick: bool, device: str) -> list[dict]:

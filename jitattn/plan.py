@@ -186,7 +186,8 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
     plus beta per key, in units of one key's work. The mask
     arrays (per request) are copied into the request table; prefix_lens with max_item_lens
     enable tile skipping for multi-item masks. max_partial_rows: the workspace's capacity;
-    splits that would need more are not chosen (with none left, the KV is not split)."""
+    splits that would need more are not chosen (with none left, the KV is not split, and if
+    multi-item spans still need more, row tiles are not cut into spans)."""
     g = num_qo_heads // num_kv_heads
     batch = len(qo_lens)
     q_starts = np.concatenate([[0], np.cumsum(qo_lens)[:-1]]) if batch else np.zeros(0)
@@ -199,18 +200,22 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
                 requests[:, col] = values
 
     # query tiles and the KV spans each can see (one tile per span)
-    tiles = []  # (request, kv_head, row0, lo, hi)
-    for b in range(batch):
-        rows = int(qo_lens[b]) * g
-        multi = prefix_lens is not None and max_item_lens is not None
-        for row0 in range(0, rows, rows_per_cta):
-            spans = kv_spans(int(qo_lens[b]), int(kv_lens[b]), g, row0,
-                             min(row0 + rows_per_cta, rows) - 1, causal, window_left,
-                             int(prefix_lens[b]) if multi else None,
-                             int(max_item_lens[b]) if multi else None)
-            for hk in range(num_kv_heads):
-                for lo, hi in spans:
-                    tiles.append((b, hk, row0, lo, hi))
+    def make_tiles(skip: bool):
+        tiles = []  # (request, kv_head, row0, lo, hi)
+        for b in range(batch):
+            rows = int(qo_lens[b]) * g
+            multi = skip and prefix_lens is not None and max_item_lens is not None
+            for row0 in range(0, rows, rows_per_cta):
+                spans = kv_spans(int(qo_lens[b]), int(kv_lens[b]), g, row0,
+                                 min(row0 + rows_per_cta, rows) - 1, causal, window_left,
+                                 int(prefix_lens[b]) if multi else None,
+                                 int(max_item_lens[b]) if multi else None)
+                for hk in range(num_kv_heads):
+                    for lo, hi in spans:
+                        tiles.append((b, hk, row0, lo, hi))
+        return tiles
+
+    tiles = make_tiles(skip=True)
     # KV chunk cap: ceil(W / (k C)), with k (chunks per CTA on average) chosen by predicting
     # the makespan of each candidate; k = 1 is the paper's rule, larger k evens out the waves
     # when tiles are about as long as W / C
@@ -222,9 +227,14 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
         cap = 1 << 30 if k is None else max(1, math.ceil(total / max(1, num_ctas * k)))
         cap = -(-cap // KV_TILE) * KV_TILE
         chunks = _chunks(tiles, cap)
-        if k is not None and max_partial_rows is not None and \
+        if max_partial_rows is not None and \
                 _partial_rows(chunks, tiles, rows_per_cta) > max_partial_rows:
-            continue  # would not fit the workspace
+            if k is not None:
+                continue  # would not fit the workspace
+            # multi-item tile skipping cuts a row tile into spans that are merged like splits;
+            # when even those do not fit, each row tile takes one span (the mask skips keys)
+            tiles = make_tiles(skip=False)
+            chunks = _chunks(tiles, cap)
         assigned, makespan = _assign(chunks, num_ctas, alpha * rows_per_cta, beta)
         if best is None or makespan < best[0] - 1e-9:
             best = (makespan, cap, chunks, assigned)

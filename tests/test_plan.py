@@ -82,3 +82,18 @@ def test_plot_writes_a_png(tmp_path):
                      num_kv_heads=8, rows_per_cta=4, num_ctas=16, causal=True, window_left=None)
     plan.plot(str(tmp_path / "plan.png"))
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_multi_item_spans_fall_back_to_whole_tiles_when_the_workspace_is_small():
+    """Tile skipping across items cuts a row tile into spans merged like splits; with too few
+    partial rows for that, each row tile takes its whole causal range instead of failing."""
+    qo, kv = np.array([300]), np.array([300])
+    kw = dict(num_qo_heads=4, num_kv_heads=2, rows_per_cta=16, num_ctas=8, causal=True,
+              window_left=None, prefix_lens=np.array([100]), max_item_lens=np.array([20]))
+    skipping = make_plan(qo, kv, np.zeros(1, np.int64), **kw)
+    assert skipping.num_partial_rows > 0
+    whole = make_plan(qo, kv, np.zeros(1, np.int64), max_partial_rows=0, **kw)
+    assert whole.num_partial_rows == 0 and len(whole.merge_rows) == 0
+    for b, hk, row0, lo, hi, partial, _, _ in whole.items.tolist():
+        assert (lo, hi) == kv_window(300, 300, 2, row0, min(row0 + 16, 600) - 1, True, None)
+        assert partial == -1
