@@ -20,36 +20,40 @@ from .spec import Variant
 
 HEAD_DIMS = (64, 128, 256)
 KINDS = ("prefill", "decode")
-KV_TILE, SMEM_PAD = 32, 2  # must match templates/cuda/include/jitattn_attention.cuh
+SMEM_ROW_PAD = 8  # 16-bit elements of padding per shared-memory row (templates' jitattn_prefill.cuh)
 
 
 @dataclass(frozen=True)
 class Tiles:
-    """Launch shape of a CUDA kernel: warps per CTA and query rows per warp (prefill) or per
-    CTA (decode, where every warp holds all rows and the warps split the KV range)."""
+    """Launch shape of a CUDA kernel. Prefill (jitattn_prefill.cuh): num_warps warps of
+    ``rows`` = 16 query rows each (one mma.m16n8k16 row block), over K/V tiles of kv_tile keys.
+    Decode (jitattn_kernels.cuh): ``rows`` query rows per CTA, held by every warp, the warps
+    splitting the KV range; kv_tile is unused."""
 
     num_warps: int
     rows: int
+    kv_tile: int = 0
 
     def rows_per_cta(self, kind: str) -> int:
         return self.num_warps * self.rows if kind == "prefill" else self.rows
 
     def smem_bytes(self, kind: str, head_dim: int) -> int:
-        """Dynamic shared memory of the kernels in templates/cuda/include/jitattn_kernels.cuh."""
-        q_rows = self.rows_per_cta(kind) * head_dim * 4
-        if kind == "prefill":
-            return q_rows + 2 * KV_TILE * (head_dim + SMEM_PAD) * 2  # + K and V tiles, 16-bit
+        """Dynamic shared memory of the kernel in bytes."""
+        if kind == "prefill":  # Q tile + two stages of K and V tiles, 16-bit, padded rows
+            row = (head_dim + SMEM_ROW_PAD) * 2
+            return self.rows_per_cta(kind) * row + 2 * 2 * self.kv_tile * row
+        q_rows = self.rows * head_dim * 4
         groups = self.num_warps * 32 // (head_dim // 8)  # key groups of head_dim / 8 threads
         return q_rows + groups * self.rows * (2 + head_dim) * 4  # + per-group states
 
 
 def tiles_for(kind: str, head_dim: int, group_size: int = 8) -> Tiles:
-    """Tile configuration per kind, head_dim and (decode) GQA group size. Prefill: rows per
-    warp (registers: rows * head_dim / 32 accumulators per lane). Decode: rows per CTA, the GQA
-    group rounded up to a power of two (each thread holds rows x 8 accumulators), at most 8
-    (4 at head_dim 256)."""
+    """Tile configuration per kind, head_dim and (decode) GQA group size. Prefill: 4 warps x 16
+    rows, K/V tiles of 64 keys (32 at head_dim 256, where each lane holds 128 accumulators of O).
+    Decode: rows per CTA, the GQA group rounded up to a power of two (each thread holds rows x 8
+    accumulators), at most 8 (4 at head_dim 256)."""
     if kind == "prefill":
-        return Tiles(num_warps=4, rows=2 if head_dim == 256 else 4)
+        return Tiles(num_warps=4, rows=16, kv_tile=32 if head_dim == 256 else 64)
     cap = 4 if head_dim == 256 else 8
     return Tiles(num_warps=4, rows=min(cap, 1 << max(0, group_size - 1).bit_length()))
 
@@ -148,7 +152,7 @@ def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
     code = _environment().get_template("cuda/attention.cu.j2").render(
         version=__version__, kind=kind, variant=variant, dtype_tag=dtype_tag,
         dtype=dtypes.CTYPE["cuda"][dtype_tag], head_dim=head_dim, num_warps=tiles.num_warps,
-        rows=tiles.rows, entry=entry, param_args=decls, param_names=names,
+        rows=tiles.rows, kv_tile=tiles.kv_tile, entry=entry, param_args=decls, param_names=names,
         variant_code=render_variant(variant, backend="cuda", head_dim=head_dim))
     return RenderedSource(
         code=code, lang="cuda", name=f"{variant.key}-{kind}-{dtype_tag}-d{head_dim}",

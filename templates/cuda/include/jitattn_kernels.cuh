@@ -1,5 +1,6 @@
-// The prefill and decode kernel bodies. The generated .cu file fixes the constants and defines
-// the extern "C" entry points, which build Args and VariantParams and call these.
+// The kernels' arguments, how a CTA finds its work, and the decode kernel body (the prefill body
+// is in jitattn_prefill.cuh). The generated .cu file fixes the constants and defines the
+// extern "C" entry points, which build Args and VariantParams and call these.
 //
 // Two ways to find work: without a plan (items == nullptr) CTA (x, y, z) serves row tile x of
 // request y and kv head z over its whole visible KV range; with a plan, the grid is persistent
@@ -95,20 +96,6 @@ __device__ __forceinline__ int2 kv_range(const Request& req, int g, int row0, in
   return make_int2(max(lo, kv_lo), min(hi, kv_hi));
 }
 
-// Store a finished row: into out / lse, or into the item's partial rows.
-template <typename DType, int HEAD_DIM>
-__device__ __forceinline__ void finish_row(const Args<DType>& a, const Request& req,
-                                           const Work& w, int local_row, const RowInfo& ri,
-                                           float m, float l, const float2* acc, int lane) {
-  if (w.partial < 0) {
-    const long long row = (long long)(req.q_start + ri.qi) * a.num_qo_heads + ri.h;
-    store_row<HEAD_DIM>(a.o + row * HEAD_DIM, a.lse + row, m, l, acc, lane);
-  } else {
-    const long long row = w.partial + local_row;
-    store_row<HEAD_DIM>(a.partial_o + row * HEAD_DIM, a.partial_lse + row, m, l, acc, lane);
-  }
-}
-
 // Runs `body(work)` for every work item of this CTA (planned) or for the CTA's own tile.
 template <typename DType, typename Body>
 __device__ __forceinline__ void for_each_work(const Args<DType>& a, int rows_per_cta,
@@ -121,54 +108,6 @@ __device__ __forceinline__ void for_each_work(const Args<DType>& a, int rows_per
     __syncthreads();  // shared memory of the previous item is consumed
     body(read_item(a.items, i));
   }
-}
-
-// Prefill: the CTA's warps own disjoint rows and share each K/V tile.
-template <typename DType, int HEAD_DIM, int NUM_WARPS, int ROWS_PER_WARP>
-__device__ __forceinline__ void prefill(const Args<DType>& a, const VariantParams& p) {
-  constexpr int ROWS_CTA = NUM_WARPS * ROWS_PER_WARP;
-  constexpr int ROW = HEAD_DIM + SMEM_PAD;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-  const int g = a.num_qo_heads / a.num_kv_heads;
-  float* q_s = reinterpret_cast<float*>(smem);
-  DType* k_s = reinterpret_cast<DType*>(q_s + ROWS_CTA * HEAD_DIM);
-  DType* v_s = k_s + KV_TILE * ROW;
-
-  for_each_work(a, ROWS_CTA, [&](const Work& w) {
-    const Request req = get_request(a.requests, a.qo_indptr, a.kv_indptr, a.single_qo_len,
-                                    a.single_kv_len, w.b);
-    if (w.row0 >= req.q_len * a.num_qo_heads / a.num_kv_heads) return;
-    load_q_rows<DType, HEAD_DIM>(q_s, a, req, w.hk, g, w.row0, ROWS_CTA);
-    RowInfo rows[ROWS_PER_WARP];
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r)
-      rows[r] = row_info(req, w.hk, g, w.row0 + warp * ROWS_PER_WARP + r);
-    const int2 range = kv_range(req, g, w.row0, min(w.row0 + ROWS_CTA, req.q_len * g) - 1,
-                                w.kv_lo, w.kv_hi);
-    RowState<ROWS_PER_WARP, HEAD_DIM> st;
-    st.init();
-    for (int t0 = range.x; t0 < range.y; t0 += KV_TILE) {
-      __syncthreads();  // the previous tile is consumed
-      load_kv_tile<DType, HEAD_DIM>(k_s, v_s, a.k, a.v, a.k_layout, a.v_layout, req.kv_start,
-                                    w.hk, t0, range.y, threadIdx.x, blockDim.x);
-      if constexpr (Variant::ROPE != 0) {
-        __syncthreads();
-        rope_k_tile<DType, HEAD_DIM>(k_s, t0, threadIdx.x, blockDim.x);
-      }
-      __syncthreads();
-      update_rows<DType, ROWS_PER_WARP, HEAD_DIM>(st, rows,
-                                                  q_s + warp * ROWS_PER_WARP * HEAD_DIM, k_s,
-                                                  v_s, t0, range.y, w.b, req, a.mask, p,
-                                                  lane);
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) {
-      if (rows[r].valid)
-        finish_row<DType, HEAD_DIM>(a, req, w, warp * ROWS_PER_WARP + r, rows[r], st.m[r],
-                                    st.l[r], st.acc[r], lane);
-    }
-  });
 }
 
 // Decode (few query rows, long KV; FlashInfer paper section 3.2, CUDA-core decode): a key is
