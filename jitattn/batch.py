@@ -170,10 +170,8 @@ class BatchPrefill:
         mask = masks_mod.mask_arrays(self.variant.mask, masks or {}, qo_lens, kv_lens,
                                      self.capacity)
         kernel_kind = self._kind
-        g = num_qo_heads // num_kv_heads
-        tiles = tiles_for(kernel_kind, head_dim, g)
-        rows = tiles.rows_per_cta(kernel_kind)
-        num_ctas = self._num_ctas(kernel_kind, q_dtype, head_dim, g)
+        rows = tiles_for(kernel_kind, head_dim).rows_per_cta(kernel_kind)
+        num_ctas = self._num_ctas(kernel_kind, q_dtype, head_dim)
         plan = make_plan(qo_lens, kv_lens, kv[:-1], num_qo_heads=num_qo_heads,
                          num_kv_heads=num_kv_heads, rows_per_cta=rows, num_ctas=num_ctas,
                          causal=self.variant.mask in ("causal", "multi_item"),
@@ -214,12 +212,12 @@ class BatchPrefill:
                                               dtype=torch.int32, device=dev)
             self._token_pos[:len(mask["pos"])].copy_(torch.from_numpy(mask["pos"]))
 
-    def _num_ctas(self, kind, q_dtype, head_dim, group_size) -> int:
+    def _num_ctas(self, kind, q_dtype, head_dim) -> int:
         if self.device.type == "cpu":
             return 2 * (os.cpu_count() or 1)
         kernel = jit.get_kernel(self.variant, backend="cuda", kind=kind,
                                 dtype_tag=dtypes.tag(q_dtype), head_dim=head_dim,
-                                device_index=self.device.index, group_size=group_size)
+                                device_index=self.device.index)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return sms * kernel.resident_ctas_per_sm()
 

@@ -5,6 +5,7 @@ run. Median of many CUDA-event-timed runs on fresh random inputs (never zeros)."
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -65,7 +66,7 @@ def _sdpa(q, k, v, backend, causal):
         return None
 
 
-def _flex(q, k, v, causal, score_mod=None):
+def _flex(q, k, v, causal, score_mod=None, window_left=None):
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
@@ -73,8 +74,12 @@ def _flex(q, k, v, causal, score_mod=None):
     block_mask = None
     if causal:
         qlen, kvlen = q.shape[2], k.shape[2]
-        block_mask = create_block_mask(lambda b, h, qi, ki: ki <= qi + (kvlen - qlen), None,
-                                       None, qlen, kvlen)
+        shift = kvlen - qlen
+
+        def visible(b, h, qi, ki):
+            seen = ki <= qi + shift
+            return seen if window_left is None else seen & (qi + shift - ki <= window_left)
+        block_mask = create_block_mask(visible, None, None, qlen, kvlen)
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def run():
@@ -139,38 +144,70 @@ def bench_decode(quick: bool = False) -> list[dict]:
     return rows
 
 
+def _causal_pairs(seqlen: int, window_left: int | None) -> int:
+    """(query, key) pairs one causal request of seqlen tokens computes (with a window)."""
+    if window_left is None:
+        return seqlen * (seqlen + 1) // 2
+    w = min(window_left + 1, seqlen)
+    return w * (w + 1) // 2 + (seqlen - w) * w
+
+
 def bench_prefill(quick: bool = False) -> list[dict]:
+    """Causal prefill, fp16, head_dim 128, 32 heads: the plain mask beside SDPA (flash, cuDNN)
+    and FlexAttention; soft-cap 50, ALiBi and sliding window 1024 beside FlexAttention on the
+    same variant; head_dim 64 and 256 in bf16 beside SDPA flash. TFLOP/s count the visible
+    (query, key) pairs only, 4 * head_dim FLOPs each."""
     rows = []
     ceil = ceilings()
-    hq, d, dtype = 32, 128, torch.float16
-    cases = [(4, 4096)] if quick else [(4, 4096), (1, 16384)]
-    variants = [("causal", ja.Variant("causal", mask="causal"), None),
-                ("soft-cap 50", ja.Variant("softcap", score_mod=ja.soft_cap(50.0)),
-                 lambda s, b, h, qi, ki: 50.0 * torch.tanh(s / 50.0))]
-    for batch, seqlen in cases:
-        flops = 4 * batch * hq * seqlen * seqlen * d / 2  # causal: half the square
+    hq = 32
+    slopes = ja.alibi_slopes(hq).cuda()
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + ALIBI[h] * (kv_idx - q_idx)
+    ALIBI = ja.tensor("alibi_slopes", ("num_qo_heads",), "float32")
+    causal = ja.Variant("causal", mask="causal")
+    variants = [("causal", causal, {}, None, None),
+                ("soft-cap 50", ja.Variant("softcap", mask="causal",
+                                           score_mod=ja.soft_cap(50.0)), {},
+                 lambda s, b, h, qi, ki: 50.0 * torch.tanh(s / 50.0), None),
+                ("soft-cap 50 approx", ja.Variant("softcap_approx", mask="causal",
+                                                  score_mod=ja.soft_cap(50.0, approx=True)), {},
+                 lambda s, b, h, qi, ki: 50.0 * torch.tanh(s / 50.0), None),
+                ("ALiBi", ja.Variant("alibi", mask="causal", score_mod=alibi),
+                 {"alibi_slopes": slopes},
+                 lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi), None),
+                ("sliding window 1024", ja.Variant("window", mask="causal", window_left=1024),
+                 {}, None, 1024)]
+    cases = [(128, torch.float16, b, n, variants if n == 4096 or not quick else variants[:1])
+             for b, n in ([(4, 4096)] if quick else [(4, 4096), (1, 16384)])]
+    cases += [(d, torch.bfloat16, 4, 4096, variants[:1]) for d in (64, 256)]
+    for d, dtype, batch, seqlen, chosen in cases:
         gen = torch.Generator(device="cuda").manual_seed(2)
-        q = torch.randn(batch * seqlen, hq, d, generator=gen, device="cuda", dtype=dtype)
-        k = torch.randn(batch * seqlen, hq, d, generator=gen, device="cuda", dtype=dtype)
-        v = torch.randn(batch * seqlen, hq, d, generator=gen, device="cuda", dtype=dtype)
+        q, k, v = (torch.randn(batch * seqlen, hq, d, generator=gen, device="cuda", dtype=dtype)
+                   for _ in range(3))
         indptr = torch.arange(0, batch * seqlen + 1, seqlen, dtype=torch.int32)
         qb, kb, vb = (t.view(batch, seqlen, hq, d).transpose(1, 2).contiguous()
                       for t in (q, k, v))
-        for label, variant, flex_mod in variants:
-            results = {"jitattn": timed(lambda: ja.attention(q, k, v, variant, qo_indptr=indptr,
-                                                             kv_indptr=indptr), reps=5)}
+        for label, variant, params, flex_mod, window in chosen:
+            flops = 4 * d * hq * batch * _causal_pairs(seqlen, window)
+            results = {"jitattn": timed(functools.partial(ja.attention, q, k, v, variant,
+                                                          qo_indptr=indptr, kv_indptr=indptr,
+                                                          **params), reps=10)}
             if label == "causal":
-                for name, fn in (("SDPA flash", _sdpa(qb, kb, vb, "flash", True)),
-                                 ("SDPA cuDNN", _sdpa(qb, kb, vb, "cudnn", True))):
+                peers = [("SDPA flash", _sdpa(qb, kb, vb, "flash", True))]
+                if d == 128:
+                    peers.append(("SDPA cuDNN", _sdpa(qb, kb, vb, "cudnn", True)))
+                for name, fn in peers:
                     if fn is not None:
                         results[name] = timed(fn, reps=10)
-            if not quick:
-                fn = _flex(qb, kb, vb, True, flex_mod)
+            if not quick and d == 128:
+                fn = _flex(qb, kb, vb, True, flex_mod, window)
                 if fn is not None:
                     results["FlexAttention"] = timed(fn, reps=10)
+            dt = "fp16" if dtype == torch.float16 else "bf16"
             for name, ms in results.items():
-                rows.append({"case": f"prefill {label} {batch}x{hq}x{seqlen}", "impl": name,
-                             "ms": ms, "TFLOPs": flops / ms / 1e9})
+                rows.append({"case": f"prefill {label} {batch}x{hq}x{seqlen} d{d} {dt}",
+                             "impl": name, "ms": ms, "TFLOPs": flops / ms / 1e9})
     for r in rows:
         r.update(ceil)
     return rows

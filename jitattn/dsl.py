@@ -253,7 +253,14 @@ def _float_fn(name):
     return fn
 
 
-tanh, exp, log, sigmoid = (_float_fn(n) for n in ("tanh", "exp", "log", "sigmoid"))
+exp, log, sigmoid = (_float_fn(n) for n in ("exp", "log", "sigmoid"))
+
+
+def tanh(x, approx: bool = False) -> Expr:
+    """Traced elementwise tanh (float32 in the kernels). approx=True lets the CUDA kernels use
+    the hardware approximation (PTX tanh.approx.f32, relative error about 2^-11) instead of the
+    exact tanhf; the CPU backend and the reference stay exact."""
+    return Expr("tanh_approx" if approx else "tanh", (_lift(x),), "float")
 
 
 def abs_(x) -> Expr:

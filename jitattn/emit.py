@@ -24,7 +24,8 @@ def _float_literal(x: float) -> str:
     return repr(float(np.float32(x))) + "f"  # Python's repr always has '.' or 'e'
 
 
-_CPP_FN = {"tanh": "ja_tanh", "exp": "ja_exp", "log": "ja_log", "sigmoid": "ja_sigmoid"}
+_CPP_FN = {"tanh": "ja_tanh", "tanh_approx": "ja_tanh_approx", "exp": "ja_exp", "log": "ja_log",
+           "sigmoid": "ja_sigmoid"}
 
 
 def emit_cpp(e) -> str:

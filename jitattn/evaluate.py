@@ -33,8 +33,9 @@ def evaluate(e: Expr, env: dict, params: dict):
         return -T(x[0]).long() if e.kind == "int" else -T(x[0])
     if op == "~":
         return ~T(x[0])
-    if op in ("tanh", "exp", "log", "sigmoid"):
-        return getattr(torch, op)(T(x[0], dtype=torch.float64).double())
+    if op in ("tanh", "tanh_approx", "exp", "log", "sigmoid"):
+        fn = torch.tanh if op == "tanh_approx" else getattr(torch, op)
+        return fn(T(x[0], dtype=torch.float64).double())
     if op == "abs":
         return T(x[0]).long().abs() if e.kind == "int" else T(x[0]).abs()
     if op in ("min", "max"):

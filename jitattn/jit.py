@@ -100,10 +100,9 @@ def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = 
 
 
 def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "prefill",
-               dtype_tag: str = "f16", device_index: int = 0, group_size: int = 8):
-    """A loaded kernel for this specialisation (CudaKernel or CpuKernel), memoised. CUDA
-    decode kernels are specialised on the GQA group size's tile (render.tiles_for)."""
-    tiles = render.tiles_for(kind, head_dim, group_size)
+               dtype_tag: str = "f16", device_index: int = 0):
+    """A loaded kernel for this specialisation (CudaKernel or CpuKernel), memoised."""
+    tiles = render.tiles_for(kind, head_dim)
     memo_key = (variant.key, backend, head_dim) if backend == "cpu" else (
         variant.key, backend, kind, dtype_tag, head_dim, tiles, device_index)
     kernel = _MEMO.get(memo_key)

@@ -125,8 +125,7 @@ def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
         return
     index = device_index(q)
     kernel = jit.get_kernel(variant, backend="cuda", kind=kind, dtype_tag=tag,
-                            head_dim=head_dim, device_index=index,
-                            group_size=q.shape[1] // num_kv_heads)
+                            head_dim=head_dim, device_index=index)
     if plan is not None:
         grid = (plan.num_ctas, 1, 1)
     else:

@@ -20,42 +20,39 @@ from .spec import Variant
 
 HEAD_DIMS = (64, 128, 256)
 KINDS = ("prefill", "decode")
-SMEM_ROW_PAD = 8  # 16-bit elements of padding per shared-memory row (templates' jitattn_prefill.cuh)
+SMEM_ROW_PAD = 8  # 16-bit elements of padding per shared-memory row (jitattn_attend.cuh)
 
 
 @dataclass(frozen=True)
 class Tiles:
-    """Launch shape of a CUDA kernel. Prefill (jitattn_prefill.cuh): num_warps warps of
-    ``rows`` = 16 query rows each (one mma.m16n8k16 row block), over K/V tiles of kv_tile keys.
-    Decode (jitattn_kernels.cuh): ``rows`` query rows per CTA, held by every warp, the warps
-    splitting the KV range; kv_tile is unused."""
+    """Launch shape of a CUDA kernel (templates/cuda/include/jitattn_attend.cuh): num_warps
+    warps of ``rows`` query rows each (a multiple of 16, the mma row block), over K/V tiles of
+    kv_tile keys. Prefill splits a CTA's rows among its warps; decode gives every warp the same
+    ``rows`` rows and a share of each K/V tile."""
 
     num_warps: int
     rows: int
-    kv_tile: int = 0
+    kv_tile: int
 
     def rows_per_cta(self, kind: str) -> int:
         return self.num_warps * self.rows if kind == "prefill" else self.rows
 
     def smem_bytes(self, kind: str, head_dim: int) -> int:
-        """Dynamic shared memory of the kernel in bytes."""
-        if kind == "prefill":  # Q tile + two stages of K and V tiles, 16-bit, padded rows
-            row = (head_dim + SMEM_ROW_PAD) * 2
-            return self.rows_per_cta(kind) * row + 2 * 2 * self.kv_tile * row
-        q_rows = self.rows * head_dim * 4
-        groups = self.num_warps * 32 // (head_dim // 8)  # key groups of head_dim / 8 threads
-        return q_rows + groups * self.rows * (2 + head_dim) * 4  # + per-group states
+        """Dynamic shared memory in bytes: the Q tile and two stages of K and V tiles, 16-bit,
+        in padded rows (decode reuses the stages to merge the warps' states)."""
+        row = (head_dim + SMEM_ROW_PAD) * 2
+        return self.rows_per_cta(kind) * row + 2 * 2 * self.kv_tile * row
 
 
-def tiles_for(kind: str, head_dim: int, group_size: int = 8) -> Tiles:
-    """Tile configuration per kind, head_dim and (decode) GQA group size. Prefill: 4 warps x 16
-    rows, K/V tiles of 64 keys (32 at head_dim 256, where each lane holds 128 accumulators of O).
-    Decode: rows per CTA, the GQA group rounded up to a power of two (each thread holds rows x 8
-    accumulators), at most 8 (4 at head_dim 256)."""
+def tiles_for(kind: str, head_dim: int) -> Tiles:
+    """Tile configuration per kind and head_dim. Prefill: 4 warps x 32 rows over K/V tiles of
+    64 keys (each K/V fragment feeds two mma row blocks); at head_dim 256, where a 16-row block
+    already holds 128 accumulators of O per lane, 8 warps x 16 rows over 32 keys. Decode: 16 rows
+    (GQA groups up to 16 in one tile), 4 warps taking 16 keys each of 64-key tiles. Measured on
+    the H200 (docs/performance.md)."""
     if kind == "prefill":
-        return Tiles(num_warps=4, rows=16, kv_tile=32 if head_dim == 256 else 64)
-    cap = 4 if head_dim == 256 else 8
-    return Tiles(num_warps=4, rows=min(cap, 1 << max(0, group_size - 1).bit_length()))
+        return Tiles(8, 16, 32) if head_dim == 256 else Tiles(4, 32, 64)
+    return Tiles(4, 16, 64)
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,7 @@ def test_custom_mask_matches_reference(page_size):
 
 def test_multi_item_mask_matches_reference_and_skips_tiles():
     variant = ja.Variant("multi", mask="multi_item")
-    prefix, items = 96, [4, 4, 7, 1]
+    prefix, items = 96, [4, 4, 7, 1] * 12  # the seed's items, repeated past a few row tiles
     total = prefix + sum(items)
     pos = torch.tensor(multi_item_layout(prefix, items), dtype=torch.int32)
     # two requests: the seed's layout, and one whose prefix is not a multiple of the page size

@@ -152,3 +152,12 @@ def test_int_expressions_are_64_bit_in_cpp_and_torch():
     env = dict(score=torch.zeros(1, dtype=torch.float64), b=0, h=0, q_idx=torch.tensor([5]),
                kv_idx=torch.tensor([9]))
     assert float(evaluate(t.expr, env, {})) == float((100005 * 100009) % 7)
+
+
+def test_tanh_approx_is_its_own_op_and_exact_on_the_cpu():
+    """approx=True changes the kernel (a different key) but not the reference's semantics."""
+    exact = ja.Variant("c", score_mod=ja.soft_cap(20.0))
+    approx = ja.Variant("c", score_mod=ja.soft_cap(20.0, approx=True))
+    assert exact.key != approx.key and "ja_tanh_approx" in approx.score.cpp
+    q, k, v = (torch.randn(9, 2, 64, dtype=torch.float16) for _ in range(3))
+    torch.testing.assert_close(ja.attention(q, k, v, approx), ja.attention(q, k, v, exact))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import jitattn as ja
-from jitattn import catalog
+from jitattn import catalog, reference
 
 from helpers import check, make_batch
 
@@ -83,3 +83,17 @@ def test_runs_on_current_stream():
         out = ja.attention(q, k, v, variant)
     s.synchronize()
     torch.testing.assert_close(out, ja.attention(q, k, v, variant))
+
+
+def test_approximate_soft_cap_is_close_and_only_where_asked():
+    """soft_cap(approx=True) runs tanh.approx.f32 (relative error about 2^-11 on the capped
+    score): close to the exact reference within a looser budget, and a different kernel."""
+    exact, approx = (ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0, approx=a))
+                     for a in (False, True))
+    assert exact.key != approx.key
+    q, k, v, _, _ = make_batch([300], [300], 8, 2, 128, torch.float16, "cuda", seed=12)
+    ref_out, ref_lse = reference.attention(q, k, v, exact, return_lse=True)
+    out, lse = ja.attention(q, k, v, approx, return_lse=True)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref_out.to(out.dtype), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-2, rtol=1e-3)

@@ -16,6 +16,16 @@
 #endif
 
 JA_HD float ja_tanh(float x) { return tanhf(x); }
+// tanh on the special-function unit when compiled for a GPU (variants opt in: approx=True)
+JA_HD float ja_tanh_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return tanhf(x);
+#endif
+}
 JA_HD float ja_exp(float x) { return expf(x); }
 JA_HD float ja_log(float x) { return logf(x); }
 JA_HD float ja_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }

@@ -1,0 +1,369 @@
+// Attention on tensor cores, prefill and decode (FlashAttention-2, Dao 2023, algorithm 1).
+//
+// A CTA serves a tile of packed rows of one KV head (GQA head-group fusion, FlashInfer paper
+// section 3.2: packed row r is query token r / g, head hk * g + r % g). Prefill splits the rows
+// among the warps (FlashAttention-2 section 3.2: each warp owns ROWS_WARP rows, K and V tiles are
+// shared). Decode (SPLIT_KEYS), where a tile holds a GQA group of a few rows, gives every warp the
+// same ROWS_WARP = 16 rows and a quarter of each K/V tile, and merges the warps' attention states
+// at the end (FlashInfer paper section 2.2): the tensor cores score the whole group at once and
+// the kernel streams K/V at the memory's pace.
+// Q, K and V tiles live in shared memory rows padded by 16 bytes, so that ldmatrix reads of eight
+// rows fall into distinct banks. K/V tiles of BLOCK_N keys are double-buffered: cp.async brings
+// tile i + 1 (through the page table, zero-filled past the range) while tile i is computed.
+// Per tile and warp: S = Q K^T on mma.m16n8k16, the variant's score_mod / masks on each element
+// of the accumulator fragments, online softmax in registers in base 2 (the running max is kept
+// in log2 units), P converted in registers into the A operand of O += P V (ldmatrix.trans of V).
+// A tile that every row of the CTA sees whole (not a boundary of the range, causal diagonal or
+// window edge, and no data-dependent mask) skips the per-element visibility tests.
+#pragma once
+
+namespace ja {
+
+// Rotate rows [0, rows) of a 16-bit tile in shared memory (RoFormer eq. 34); pos(r) is the
+// position of row r, or -1 to leave it.
+template <typename DType, int HEAD_DIM, int ROW, typename Pos>
+__device__ __forceinline__ void rope_tile(DType* s, int rows, Pos pos) {
+  if constexpr (Variant::ROPE != 0) {
+    for (int i = threadIdx.x; i < rows * HEAD_DIM / 2; i += blockDim.x) {
+      const int r = i / (HEAD_DIM / 2), pair = i % (HEAD_DIM / 2);
+      const int position = pos(r);
+      if (position < 0) continue;
+      const int2 e = rope_pair_index<HEAD_DIM>(pair);
+      float x = ja_to_float(s[r * ROW + e.x]), y = ja_to_float(s[r * ROW + e.y]);
+      rope_pair(x, y, position, kRopeInvFreq[pair]);
+      s[r * ROW + e.x] = (DType)x;
+      s[r * ROW + e.y] = (DType)y;
+    }
+  }
+}
+
+template <typename DType, int HEAD_DIM, int NUM_WARPS, int ROWS_WARP, int BLOCK_N,
+          bool SPLIT_KEYS>
+__device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams& p) {
+  constexpr int MT = ROWS_WARP / 16;       // 16-row blocks per warp: each K/V fragment feeds MT mmas
+  constexpr int ROWS_CTA = SPLIT_KEYS ? ROWS_WARP : NUM_WARPS * ROWS_WARP;
+  constexpr int KEYS_WARP = SPLIT_KEYS ? BLOCK_N / NUM_WARPS : BLOCK_N;  // of each K/V tile
+  constexpr int ROW = HEAD_DIM + 8;        // elements per shared row (16 bytes of padding)
+  constexpr int CHUNKS = HEAD_DIM / 8;     // 16-byte chunks per row
+  constexpr int KD = HEAD_DIM / 16;        // k-steps of Q K^T
+  constexpr int NB = KEYS_WARP / 8;        // 8-key column blocks of S
+  constexpr int ND = HEAD_DIM / 8;         // 8-dim column blocks of O
+  constexpr bool Q_IN_REGS = MT == 1 && HEAD_DIM <= 128;  // else re-read from shared memory
+  constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+  static_assert(KEYS_WARP % 16 == 0 && HEAD_DIM % 16 == 0, "tile shapes");
+  static_assert(!SPLIT_KEYS || (MT == 1 && NUM_WARPS * ROWS_WARP * (HEAD_DIM + 2) * 4 <=
+                                             2 * 2 * BLOCK_N * (HEAD_DIM + 8) * 2),
+                "split keys: one row block, the warps' states fit in the K/V stages");
+  extern __shared__ __align__(16) unsigned char smem[];
+  DType* q_s = reinterpret_cast<DType*>(smem);  // [ROWS_CTA][ROW]
+  DType* kv_s = q_s + ROWS_CTA * ROW;            // [2 stages][K, V][BLOCK_N][ROW]
+  const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const int row_w = SPLIT_KEYS ? 0 : warp * ROWS_WARP;   // the warp's first row of the tile
+  const int key_w = SPLIT_KEYS ? warp * KEYS_WARP : 0;   // and first key of each K/V tile
+  const int g = a.num_qo_heads / a.num_kv_heads;
+
+  for_each_work(a, ROWS_CTA, [&](const Work& w) {
+    const Request req = get_request(a.requests, a.qo_indptr, a.kv_indptr, a.single_qo_len,
+                                    a.single_kv_len, w.b);
+    const int packed_rows = req.q_len * g;
+    if (w.row0 >= packed_rows) return;
+    const int row_last = min(w.row0 + ROWS_CTA, packed_rows) - 1;
+    const int2 range = kv_range(req, g, w.row0, row_last, w.kv_lo, w.kv_hi);
+    const int num_tiles = range.y > range.x ? (range.y - range.x + BLOCK_N - 1) / BLOCK_N : 0;
+    const int pos_first = req.kv_len - req.q_len + w.row0 / g;
+    const int pos_last = req.kv_len - req.q_len + row_last / g;
+
+    // Q tile (rows past the request zero-filled), then K/V tile 0: two cp.async groups
+    for (int i = threadIdx.x; i < ROWS_CTA * CHUNKS; i += blockDim.x) {
+      const int r = i / CHUNKS, c = (i % CHUNKS) * 8, packed = w.row0 + r;
+      const bool valid = packed < packed_rows;
+      const DType* src = a.q;
+      if (valid)
+        src += (long long)(req.q_start + packed / g) * a.q_stride_n +
+               (long long)(w.hk * g + packed % g) * a.q_stride_h + c;
+      cp_async_16(q_s + r * ROW + c, src, valid);
+    }
+    cp_async_commit();
+    auto load_tile = [&](int tile, int stage) {
+      DType* k_s = kv_s + stage * 2 * BLOCK_N * ROW;
+      DType* v_s = k_s + BLOCK_N * ROW;
+      const int t0 = range.x + tile * BLOCK_N;
+      for (int i = threadIdx.x; i < BLOCK_N * CHUNKS; i += blockDim.x) {
+        const int j = i / CHUNKS, c = (i % CHUNKS) * 8;
+        const bool valid = t0 + j < range.y;
+        const DType *ks = a.k, *vs = a.v;
+        if (valid) {
+          const int2 loc = a.k_layout.locate(req.kv_start, t0 + j);
+          ks += a.k_layout.at(loc, w.hk) + c;
+          vs += a.v_layout.at(loc, w.hk) + c;
+        }
+        cp_async_16(k_s + j * ROW + c, ks, valid);
+        cp_async_16(v_s + j * ROW + c, vs, valid);
+      }
+    };
+    if (num_tiles > 0) load_tile(0, 0);
+    cp_async_commit();
+    cp_async_wait<1>();  // Q has landed
+    __syncthreads();
+    rope_tile<DType, HEAD_DIM, ROW>(q_s, ROWS_CTA, [&](int r) {
+      return w.row0 + r < packed_rows ? req.kv_len - req.q_len + (w.row0 + r) / g : -1;
+    });
+    if constexpr (Variant::ROPE != 0) __syncthreads();
+
+    const DType* q_warp = q_s + row_w * ROW;
+    // the A operand of row block mt, k-step kk: rows mt * 16 + lane % 16, columns
+    // kk * 16 + (lane / 16) * 8
+    constexpr int E = sizeof(DType);  // bytes per element: fragment addresses are in bytes
+    const unsigned q_frag_row = smem_addr(q_warp + (lane % 16) * ROW + (lane / 16) * 8);
+    unsigned q_reg[Q_IN_REGS ? KD : 1][4];
+    if constexpr (Q_IN_REGS) {
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) ldmatrix_x4(q_reg[kk], q_frag_row + kk * 16 * E);
+    }
+    // this thread's rows: row_w + mt * 16 + lane / 4 (+ 8 for h = 1)
+    RowInfo ri[MT][2];
+    float o[MT][ND][4], m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        ri[mt][h] = row_info(req, w.hk, g, w.row0 + row_w + mt * 16 + lane / 4 + 8 * h);
+        m[mt][h] = -JA_INF;
+        l[mt][h] = 0.f;
+      }
+#pragma unroll
+      for (int n = 0; n < ND; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][n][e] = 0.f;
+    }
+
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      if (tile + 1 < num_tiles) load_tile(tile + 1, (tile + 1) & 1);
+      cp_async_commit();
+      cp_async_wait<1>();  // tile `tile` has landed
+      __syncthreads();
+      DType* k_s = kv_s + (tile & 1) * 2 * BLOCK_N * ROW;
+      const DType* v_s = k_s + BLOCK_N * ROW;
+      const int t0 = range.x + tile * BLOCK_N;
+      if constexpr (Variant::ROPE != 0) {
+        rope_tile<DType, HEAD_DIM, ROW>(k_s, BLOCK_N, [&](int j) { return t0 + j; });
+        __syncthreads();
+      }
+
+      // S = Q K^T: B operand of key block pair (2 nb2, 2 nb2 + 1) from one ldmatrix.x4
+      float s[MT][NB][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NB; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
+      const unsigned k_frag_row =
+          smem_addr(k_s + (key_w + (lane % 8) + (lane / 16) * 8) * ROW + ((lane / 8) % 2) * 8);
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) {
+        unsigned qa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if constexpr (Q_IN_REGS) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qa[mt][e] = q_reg[kk][e];
+          } else {
+            ldmatrix_x4(qa[mt], q_frag_row + (mt * 16 * ROW + kk * 16) * E);
+          }
+        }
+#pragma unroll
+        for (int nb2 = 0; nb2 < NB / 2; ++nb2) {
+          unsigned kb[4];
+          ldmatrix_x4(kb, k_frag_row + (nb2 * 16 * ROW + kk * 16) * E);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<DType>(s[mt][2 * nb2], qa[mt], kb[0], kb[1]);
+            mma_16816<DType>(s[mt][2 * nb2 + 1], qa[mt], kb[2], kb[3]);
+          }
+        }
+      }
+
+      // scores: scale, score_mod, visibility
+      const bool whole = t0 + BLOCK_N <= range.y && Variant::MASK_MODE != 2 &&
+                         Variant::MASK_MODE != 3 && !Variant::HAS_MASK_MOD &&
+                         (!Variant::CAUSAL || t0 + BLOCK_N - 1 <= pos_first) &&
+                         (Variant::WINDOW_LEFT < 0 || pos_last - t0 <= Variant::WINDOW_LEFT);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < NB; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const RowInfo& r = ri[mt][e / 2];
+          const int kv_idx = t0 + key_w + n * 8 + (lane % 4) * 2 + (e % 2);
+          float x = Variant::score_mod(p, s[mt][n][e] * a.sm_scale, w.b, r.h, r.q_pos, kv_idx);
+          if (!whole) {
+            bool vis = kv_idx < range.y;
+            if (Variant::CAUSAL) vis = vis && kv_idx <= r.q_pos;
+            if (Variant::WINDOW_LEFT >= 0) vis = vis && r.q_pos - kv_idx <= Variant::WINDOW_LEFT;
+            vis = vis && data_mask(req, a.mask, r.qi, r.q_pos, kv_idx);
+            vis = vis && Variant::mask_mod(p, w.b, r.h, r.q_pos, kv_idx);
+            x = vis ? x : -JA_INF;
+          }
+          s[mt][n][e] = x;
+        }
+      }
+
+      // online softmax (or sigmoid weights): s becomes P
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (Variant::SIGMOID) {
+#pragma unroll
+          for (int n = 0; n < NB; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float& x = s[mt][n][e];
+              x = x == -JA_INF ? 0.f : 1.f / (1.f + expf(-x));
+              l[mt][e / 2] += x;
+            }
+        } else {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float mx = -JA_INF;
+#pragma unroll
+            for (int n = 0; n < NB; ++n)
+              mx = fmaxf(mx, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m[mt][h], mx * LOG2E);
+            const float base = m_new == -JA_INF ? 0.f : m_new;  // nothing visible yet: p = 0
+            const float alpha = exp2_approx(m[mt][h] - base);
+            m[mt][h] = m_new;
+            l[mt][h] *= alpha;
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+              o[mt][n][2 * h] *= alpha;
+              o[mt][n][2 * h + 1] *= alpha;
+            }
+#pragma unroll
+            for (int n = 0; n < NB; ++n)
+#pragma unroll
+              for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], LOG2E, -base));
+                l[mt][h] += s[mt][n][e];
+              }
+          }
+        }
+      }
+
+      // O += P V: P's accumulator fragments are the A operand of the next mma (16 keys a step)
+      const unsigned v_frag_row =
+          smem_addr(v_s + (key_w + (lane % 8) + ((lane / 8) % 2) * 8) * ROW + (lane / 16) * 8);
+#pragma unroll
+      for (int kk = 0; kk < KEYS_WARP / 16; ++kk) {
+        unsigned pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          pa[mt][0] = pack2<DType>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          pa[mt][1] = pack2<DType>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          pa[mt][2] = pack2<DType>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          pa[mt][3] = pack2<DType>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int nd2 = 0; nd2 < ND / 2; ++nd2) {
+          unsigned vb[4];
+          ldmatrix_x4_trans(vb, v_frag_row + (kk * 16 * ROW + nd2 * 16) * E);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<DType>(o[mt][2 * nd2], pa[mt], vb[0], vb[1]);
+            mma_16816<DType>(o[mt][2 * nd2 + 1], pa[mt], vb[2], vb[3]);
+          }
+        }
+      }
+      __syncthreads();  // this stage is consumed before tile + 2 is loaded into it
+    }
+    cp_async_wait<0>();
+
+    // a finished row: into out / lse, or into the work item's partial rows
+    auto store = [&](int local, const RowInfo& r, int col, float2 x) {
+      const long long row = w.partial < 0
+          ? (long long)(req.q_start + r.qi) * a.num_qo_heads + r.h : (long long)w.partial + local;
+      if (w.partial < 0) store2(a.o + row * HEAD_DIM + col, x);
+      else store2(a.partial_o + row * HEAD_DIM + col, x);
+    };
+    auto store_lse = [&](int local, const RowInfo& r, float x) {
+      if (w.partial < 0) a.lse[(long long)(req.q_start + r.qi) * a.num_qo_heads + r.h] = x;
+      else a.partial_lse[(long long)w.partial + local] = x;
+    };
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // the row's four lanes hold 2 columns of each 8-dim block
+        l[mt][h] += __shfl_xor_sync(0xffffffffu, l[mt][h], 1);
+        l[mt][h] += __shfl_xor_sync(0xffffffffu, l[mt][h], 2);
+      }
+    if constexpr (!SPLIT_KEYS) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          // recomputed here rather than kept live across the loop (registers)
+          const RowInfo r = row_info(req, w.hk, g, w.row0 + row_w + mt * 16 + lane / 4 + 8 * h);
+          if (!r.valid) continue;
+          const float lr = l[mt][h];
+          const bool any = lr > 0.f;
+          const float inv = Variant::SIGMOID ? 1.f : (any ? 1.f / lr : 0.f);
+          const int local = row_w + mt * 16 + lane / 4 + 8 * h;
+#pragma unroll
+          for (int n = 0; n < ND; ++n)
+            store(local, r, n * 8 + (lane % 4) * 2,
+                  make_float2(o[mt][n][2 * h] * inv, o[mt][n][2 * h + 1] * inv));
+          if (lane % 4 == 0)
+            store_lse(local, r, !any ? -JA_INF
+                                     : (Variant::SIGMOID ? logf(lr) : m[mt][h] * LN2 + logf(lr)));
+        }
+    } else {
+      // merge the warps' states of the same rows through shared memory (the K/V stages are
+      // free: the last tile ended with a barrier): per warp and row, o then m (log2) and l
+      constexpr int RED = HEAD_DIM + 2;
+      float* red = reinterpret_cast<float*>(kv_s);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float* dst = red + (warp * ROWS_WARP + lane / 4 + 8 * h) * RED;
+#pragma unroll
+        for (int n = 0; n < ND; ++n)
+          *reinterpret_cast<float2*>(dst + n * 8 + (lane % 4) * 2) =
+              make_float2(o[0][n][2 * h], o[0][n][2 * h + 1]);
+        if (lane % 4 == 0) {
+          dst[HEAD_DIM] = m[0][h];
+          dst[HEAD_DIM + 1] = l[0][h];
+        }
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < ROWS_WARP * HEAD_DIM / 2; i += blockDim.x) {
+        const int local = i / (HEAD_DIM / 2), col = (i % (HEAD_DIM / 2)) * 2;
+        const RowInfo r = row_info(req, w.hk, g, w.row0 + local);
+        if (!r.valid) continue;
+        float mx = -JA_INF;
+        if (!Variant::SIGMOID)
+#pragma unroll
+          for (int x = 0; x < NUM_WARPS; ++x) mx = fmaxf(mx, red[(x * ROWS_WARP + local) * RED + HEAD_DIM]);
+        const float base = mx == -JA_INF ? 0.f : mx;
+        float total = 0.f;
+        float2 acc = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int x = 0; x < NUM_WARPS; ++x) {
+          const float* src = red + (x * ROWS_WARP + local) * RED;
+          const float scale = Variant::SIGMOID ? 1.f : exp2_approx(src[HEAD_DIM] - base);
+          total += src[HEAD_DIM + 1] * scale;
+          acc.x += src[col] * scale;
+          acc.y += src[col + 1] * scale;
+        }
+        const bool any = total > 0.f;
+        const float inv = Variant::SIGMOID ? 1.f : (any ? 1.f / total : 0.f);
+        store(local, r, col, make_float2(acc.x * inv, acc.y * inv));
+        if (col == 0)
+          store_lse(local, r, !any ? -JA_INF
+                                   : (Variant::SIGMOID ? logf(total) : mx * LN2 + logf(total)));
+      }
+    }
+  });
+}
+
+}  // namespace ja
