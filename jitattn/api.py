@@ -81,8 +81,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     """Attention of one request, or a ragged batch, under ``variant``; no paging.
 
     q: [total_q, num_qo_heads, head_dim]; k, v: [total_kv, num_kv_heads, head_dim]; fp16 or
-        bf16, on one CUDA device (CUDA kernels) or on the CPU (CPU backend). head_dim 64, 128 or
-        256; num_qo_heads a multiple of num_kv_heads (GQA: query head h reads kv head
+        bf16, on one CUDA device (CUDA kernels) or on the CPU (CPU backend). head_dim 32, 64,
+        128 or 256; num_qo_heads a multiple of num_kv_heads (GQA: query head h reads kv head
         h // (num_qo_heads // num_kv_heads)). Last dim contiguous, the other strides multiples
         of 8 elements, 16-byte aligned data (16-byte vector loads).
     qo_indptr, kv_indptr: [batch_size + 1] int32 (or int64) offsets of each request's rows in

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from .batch import BatchDecode, BatchPrefill
-from .merge import merge_state_in_place
+from .merge import merge_states
 from .shared_prefix import check_strategy
 from .spec import Variant
 
@@ -64,36 +64,55 @@ class MultiLevelCascade:
             rows.append(self._level_rows(i, int(qo_indptr[i][-1]), q_rows))
         self._set_rows(rows)
 
-    def _level_rows(self, i: int, total: int, q_rows) -> torch.Tensor:
-        """Level i's rows of q on the device: given (unique, non-negative) or 0 .. total-1."""
-        r = torch.arange(total) if q_rows is None or q_rows[i] is None else \
-            torch.as_tensor(q_rows[i], dtype=torch.long).cpu()
+    def _level_rows(self, i: int, total: int, q_rows):
+        """Level i's rows of q: a slice when they are consecutive (given so, or the default
+        0 .. total - 1), else a device tensor of distinct rows >= 0."""
+        if q_rows is None or q_rows[i] is None:
+            return slice(0, total)
+        r = torch.as_tensor(q_rows[i], dtype=torch.long).cpu()
         if r.dim() != 1 or r.numel() != total:
             raise ValueError(f"q_rows[{i}] has shape {tuple(r.shape)}; level {i} plans {total}")
         if total and (r.min() < 0 or len(torch.unique(r)) != total):
             raise ValueError(f"q_rows[{i}] must list distinct rows >= 0")
+        if total and torch.equal(r, torch.arange(int(r[0]), int(r[0]) + total)):
+            return slice(int(r[0]), int(r[0]) + total)
         return r.to(self.device)
 
     def _set_rows(self, rows: list) -> None:
         self._rows = rows
-        self._min_rows = max((int(r.max()) + 1 for r in rows if len(r)), default=0)
+        self._min_rows = max((r.stop if isinstance(r, slice) else int(r.max()) + 1
+                              for r in rows if _count(r)), default=0)
 
     def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False, **params):
         """Attention of q [total_q, heads, head_dim] over all levels, merged. Rows that no
-        level covers get out 0, lse -inf."""
+        level covers get out 0, lse -inf. Each level writes its state into one slab of a
+        [levels, total_q, ...] buffer (consecutive rows in place, without copies), and one
+        merge combines the slabs."""
         if self._rows is None:
             raise RuntimeError("MultiLevelCascade.run() called before plan()")
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         if q.shape[0] < self._min_rows:
             raise ValueError(f"q has {q.shape[0]} rows; the plan uses rows up to "
                              f"{self._min_rows - 1}")
-        for level, rows in zip(self.levels, self._rows):
-            o, s = level.run(q[rows].contiguous(), kv_cache, return_lse=True, **params)
-            o_acc, s_acc = out[rows], lse[rows]
-            merge_state_in_place(o_acc, s_acc, o, s, reduction=self.variant.reduction)
-            out[rows], lse[rows] = o_acc, s_acc
+        n, total = len(self.levels), q.shape[0]
+        o_levels = torch.empty((n, *q.shape), dtype=q.dtype, device=q.device)
+        lse_levels = torch.empty((n, *q.shape[:2]), dtype=torch.float32, device=q.device)
+        for i, (level, rows) in enumerate(zip(self.levels, self._rows)):
+            whole = isinstance(rows, slice) and rows.start == 0 and rows.stop == total
+            if not whole:  # rows this level does not cover are empty states
+                o_levels[i].zero_()
+                lse_levels[i].fill_(float("-inf"))
+            if isinstance(rows, slice):
+                level.run(q[rows], kv_cache, out=o_levels[i, rows], lse=lse_levels[i, rows],
+                          **params)
+            else:
+                o_levels[i, rows], lse_levels[i, rows] = level.run(
+                    q[rows].contiguous(), kv_cache, return_lse=True, **params)
+        out, lse = merge_states(o_levels, lse_levels, reduction=self.variant.reduction)
         return (out, lse) if return_lse else out
+
+
+def _count(rows) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
 
 
 class CascadeDecode(MultiLevelCascade):

@@ -18,7 +18,7 @@ from . import __version__, dtypes, emit, env
 from .dsl import ScalarParam
 from .spec import Variant
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (32, 64, 128, 256)
 KINDS = ("prefill", "decode")
 SMEM_ROW_PAD = 8  # 16-bit elements of padding per shared-memory row (jitattn_attend.cuh)
 
@@ -27,21 +27,22 @@ SMEM_ROW_PAD = 8  # 16-bit elements of padding per shared-memory row (jitattn_at
 class Tiles:
     """Launch shape of a CUDA kernel (templates/cuda/include/jitattn_attend.cuh): num_warps
     warps of ``rows`` query rows each (a multiple of 16, the mma row block), over K/V tiles of
-    kv_tile keys. Prefill splits a CTA's rows among its warps; decode gives every warp the same
+    kv_tile keys through ``stages`` shared-memory buffers. Prefill splits a CTA's rows among its warps; decode gives every warp the same
     ``rows`` rows and a share of each K/V tile."""
 
     num_warps: int
     rows: int
     kv_tile: int
+    stages: int = 2
 
     def rows_per_cta(self, kind: str) -> int:
         return self.num_warps * self.rows if kind == "prefill" else self.rows
 
     def smem_bytes(self, kind: str, head_dim: int) -> int:
-        """Dynamic shared memory in bytes: the Q tile and two stages of K and V tiles, 16-bit,
+        """Dynamic shared memory in bytes: the Q tile and the stages of K and V tiles, 16-bit,
         in padded rows (decode reuses the stages to merge the warps' states)."""
         row = (head_dim + SMEM_ROW_PAD) * 2
-        return self.rows_per_cta(kind) * row + 2 * 2 * self.kv_tile * row
+        return self.rows_per_cta(kind) * row + self.stages * 2 * self.kv_tile * row
 
 
 def tiles_for(kind: str, head_dim: int) -> Tiles:
@@ -149,7 +150,7 @@ def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
     code = _environment().get_template("cuda/attention.cu.j2").render(
         version=__version__, kind=kind, variant=variant, dtype_tag=dtype_tag,
         dtype=dtypes.CTYPE["cuda"][dtype_tag], head_dim=head_dim, num_warps=tiles.num_warps,
-        rows=tiles.rows, kv_tile=tiles.kv_tile, entry=entry, param_args=decls, param_names=names,
+        rows=tiles.rows, kv_tile=tiles.kv_tile, stages=tiles.stages, entry=entry, param_args=decls, param_names=names,
         variant_code=render_variant(variant, backend="cuda", head_dim=head_dim))
     return RenderedSource(
         code=code, lang="cuda", name=f"{variant.key}-{kind}-{dtype_tag}-d{head_dim}",

@@ -103,3 +103,31 @@ def test_level_rows_are_checked():
         levels.run(torch.randn(2, 4, 64).half(), cache)
     with pytest.raises(ValueError, match="mask"):
         ja.MultiLevelCascade(ja.Variant("m", mask="custom"), 2, device="cpu")
+
+
+@pytest.mark.parametrize("shared_rows", [[2, 0], [1, 2]], ids=["gathered", "consecutive"])
+def test_levels_covering_some_rows(shared_rows):
+    """A shared level that only some rows attend to (scattered rows or a consecutive run):
+    those rows see shared + own pages, the others only their own."""
+    gen = torch.Generator().manual_seed(3)
+    page_size, hq, hkv, d = 4, 4, 2, 64
+    variant = ja.Variant("plain")
+    cache = tuple(torch.randn(12, page_size, hkv, d, generator=gen).half() for _ in range(2))
+    q = torch.randn(4, hq, d, generator=gen).half()
+    i32 = dict(dtype=torch.int32)
+    system, own, own_last = [0, 1], [[2], [3, 4], [5], [6, 7]], [3, 4, 2, 1]
+    levels = ja.MultiLevelCascade(variant, 2, page_size=page_size, device="cpu")
+    levels.plan(
+        qo_indptr=[torch.tensor([0, 2], **i32), torch.arange(5, **i32)],
+        kv_indptr=[torch.tensor([0, 2], **i32), torch.tensor([0, 1, 3, 4, 6], **i32)],
+        kv_indices=[torch.tensor(system, **i32), torch.tensor(sum(own, []), **i32)],
+        kv_last_page_len=[torch.tensor([4], **i32), torch.tensor(own_last, **i32)],
+        num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_rows=[torch.tensor(shared_rows), None])
+    got, got_lse = levels.run(q, cache, return_lse=True)
+    full = [(system if r in shared_rows else []) + own[r] for r in range(4)]
+    plain = ja.BatchDecode(variant, page_size=page_size, device="cpu")
+    plain.plan(torch.tensor([0, *torch.tensor([len(x) for x in full]).cumsum(0).tolist()], **i32),
+               torch.tensor(sum(full, []), **i32), torch.tensor(own_last, **i32), hq, hkv, d)
+    ref, ref_lse = plain.run(q, cache, return_lse=True)
+    torch.testing.assert_close(got, ref, **TOL[torch.float16])
+    torch.testing.assert_close(got_lse, ref_lse, atol=2e-3, rtol=1e-4)

@@ -1,6 +1,6 @@
 """CUDA kernels against the reference on the GPU (run on the device: ``pytest -m gpu``).
 
-Every built-in variant x {fp16, bf16} x head_dim {64, 128, 256} x GQA {1, 4, 7} x layouts whose
+Every built-in variant x {fp16, bf16} x head_dim {32, 64, 128, 256} x GQA {1, 4, 7} x layouts whose
 lengths are not multiples of the tiles, including q_len > kv_len under causal masks (fully masked
 rows: out 0, lse -inf), empty and one-token requests; both the prefill and the decode kernels.
 """
@@ -34,7 +34,7 @@ def needs_cuda():
 
 @pytest.mark.parametrize("name", sorted(BUILTIN))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 def test_builtin_variant_matches_reference(name, dtype, head_dim):
     for i, (hq, hkv) in enumerate(HEADS):
         for j, (qo_lens, kv_lens) in enumerate(LAYOUTS):

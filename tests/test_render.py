@@ -20,7 +20,7 @@ def _example(name):
 @pytest.mark.parametrize("name", sorted(BUILTIN))
 def test_render_every_builtin(name):
     v = _example(name)
-    for head_dim in (64, 128, 256):
+    for head_dim in (32, 64, 128, 256):
         cpu = render.render_cpu(v, head_dim=head_dim)
         assert "jitattn_attention_f16" in cpu.code and v.key in cpu.code
         for kind in ("prefill", "decode"):

@@ -8,8 +8,9 @@
 // at the end (FlashInfer paper section 2.2): the tensor cores score the whole group at once and
 // the kernel streams K/V at the memory's pace.
 // Q, K and V tiles live in shared memory rows padded by 16 bytes, so that ldmatrix reads of eight
-// rows fall into distinct banks. K/V tiles of BLOCK_N keys are double-buffered: cp.async brings
-// tile i + 1 (through the page table, zero-filled past the range) while tile i is computed.
+// rows fall into distinct banks. K/V tiles of BLOCK_N keys go through STAGES buffers: cp.async
+// brings tiles i + 1 .. i + STAGES - 1 (through the page table, zero-filled past the range)
+// while tile i is computed.
 // Per tile and warp: S = Q K^T on mma.m16n8k16, the variant's score_mod / masks on each element
 // of the accumulator fragments, online softmax in registers in base 2 (the running max is kept
 // in log2 units), P converted in registers into the A operand of O += P V (ldmatrix.trans of V).
@@ -37,7 +38,7 @@ __device__ __forceinline__ void rope_tile(DType* s, int rows, Pos pos) {
   }
 }
 
-template <typename DType, int HEAD_DIM, int NUM_WARPS, int ROWS_WARP, int BLOCK_N,
+template <typename DType, int HEAD_DIM, int NUM_WARPS, int ROWS_WARP, int BLOCK_N, int STAGES,
           bool SPLIT_KEYS>
 __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams& p) {
   constexpr int MT = ROWS_WARP / 16;       // 16-row blocks per warp: each K/V fragment feeds MT mmas
@@ -52,11 +53,11 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
   constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
   static_assert(KEYS_WARP % 16 == 0 && HEAD_DIM % 16 == 0, "tile shapes");
   static_assert(!SPLIT_KEYS || (MT == 1 && NUM_WARPS * ROWS_WARP * (HEAD_DIM + 2) * 4 <=
-                                             2 * 2 * BLOCK_N * (HEAD_DIM + 8) * 2),
+                                             STAGES * 2 * BLOCK_N * (HEAD_DIM + 8) * 2),
                 "split keys: one row block, the warps' states fit in the K/V stages");
   extern __shared__ __align__(16) unsigned char smem[];
   DType* q_s = reinterpret_cast<DType*>(smem);  // [ROWS_CTA][ROW]
-  DType* kv_s = q_s + ROWS_CTA * ROW;            // [2 stages][K, V][BLOCK_N][ROW]
+  DType* kv_s = q_s + ROWS_CTA * ROW;            // [STAGES][K, V][BLOCK_N][ROW]
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
   const int row_w = SPLIT_KEYS ? 0 : warp * ROWS_WARP;   // the warp's first row of the tile
   const int key_w = SPLIT_KEYS ? warp * KEYS_WARP : 0;   // and first key of each K/V tile
@@ -101,9 +102,12 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
         cp_async_16(v_s + j * ROW + c, vs, valid);
       }
     };
-    if (num_tiles > 0) load_tile(0, 0);
-    cp_async_commit();
-    cp_async_wait<1>();  // Q has landed
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {  // one cp.async group per tile, empty past the end
+      if (t < num_tiles) load_tile(t, t);
+      cp_async_commit();
+    }
+    cp_async_wait<STAGES - 1>();  // Q has landed
     __syncthreads();
     rope_tile<DType, HEAD_DIM, ROW>(q_s, ROWS_CTA, [&](int r) {
       return w.row0 + r < packed_rows ? req.kv_len - req.q_len + (w.row0 + r) / g : -1;
@@ -138,11 +142,12 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
     }
 
     for (int tile = 0; tile < num_tiles; ++tile) {
-      if (tile + 1 < num_tiles) load_tile(tile + 1, (tile + 1) & 1);
+      const int ahead = tile + STAGES - 1;
+      if (ahead < num_tiles) load_tile(ahead, ahead % STAGES);
       cp_async_commit();
-      cp_async_wait<1>();  // tile `tile` has landed
+      cp_async_wait<STAGES - 1>();  // tile `tile` has landed
       __syncthreads();
-      DType* k_s = kv_s + (tile & 1) * 2 * BLOCK_N * ROW;
+      DType* k_s = kv_s + (tile % STAGES) * 2 * BLOCK_N * ROW;
       const DType* v_s = k_s + BLOCK_N * ROW;
       const int t0 = range.x + tile * BLOCK_N;
       if constexpr (Variant::ROPE != 0) {
@@ -276,7 +281,7 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
           }
         }
       }
-      __syncthreads();  // this stage is consumed before tile + 2 is loaded into it
+      __syncthreads();  // this stage is consumed before tile + STAGES is loaded into it
     }
     cp_async_wait<0>();
 
