@@ -80,6 +80,7 @@ def _flex(q, k, v, causal, score_mod=None, window_left=None):
             seen = ki <= qi + shift
             return seen if window_left is None else seen & (qi + shift - ki <= window_left)
         block_mask = create_block_mask(visible, None, None, qlen, kvlen)
+    torch._dynamo.reset()  # a fresh compile per case: no recompile-limit fallback to eager
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def run():

@@ -28,8 +28,49 @@ _CPP_FN = {"tanh": "ja_tanh", "tanh_approx": "ja_tanh_approx", "exp": "ja_exp", 
            "sigmoid": "ja_sigmoid"}
 
 
-def emit_cpp(e) -> str:
-    """C++ expression for ``e``; parameters are read through a struct named ``p``."""
+ROW_SYMBOLS = frozenset({"b", "h", "q_idx"})
+_CTYPE = {"float": "float", "int": "long long", "bool": "bool"}
+
+
+def _symbols(e, memo: dict) -> frozenset:
+    """The symbols (score, b, h, q_idx, kv_idx) an expression reads."""
+    if id(e) not in memo:
+        memo[id(e)] = frozenset({e.args[0]}) if e.op == "sym" else frozenset().union(
+            *(_symbols(y, memo) for y in e.args if hasattr(y, "op")))
+    return memo[id(e)]
+
+
+def hoist_row_invariants(roots) -> tuple[list, dict]:
+    """Loop-invariant code motion for the mods: the largest subexpressions that read only b, h
+    and q_idx (the same for every key of a query row, e.g. ALiBi's slopes[h]) are computed once
+    per row into a generated ``Row`` struct instead of once per (row, key) pair.
+
+    roots: the traced expressions. Returns (fields, hoisted): fields as (ctype, name, C++
+    expression over p, b, h, q_idx), equal expressions sharing one field; hoisted maps id(node)
+    to ``row.<name>`` for emit_cpp."""
+    memo, fields, by_cpp, hoisted = {}, [], {}, {}
+
+    def visit(e):
+        if e.op not in ("const", "sym", "scalar") and _symbols(e, memo) <= ROW_SYMBOLS:
+            cpp = emit_cpp(e)
+            if cpp not in by_cpp:
+                by_cpp[cpp] = f"row.r{len(fields)}"
+                fields.append((_CTYPE[e.kind], f"r{len(fields)}", cpp))
+            hoisted[id(e)] = by_cpp[cpp]
+            return
+        for y in e.args:
+            if hasattr(y, "op"):
+                visit(y)
+    for root in roots:
+        visit(root)
+    return fields, hoisted
+
+
+def emit_cpp(e, hoisted: dict | None = None) -> str:
+    """C++ expression for ``e``; parameters are read through a struct named ``p``, hoisted
+    subexpressions (hoist_row_invariants) through ``row``."""
+    if hoisted and id(e) in hoisted:
+        return hoisted[id(e)]
     op, a = e.op, e.args
     if op == "const":
         v = a[0]
@@ -42,13 +83,14 @@ def emit_cpp(e) -> str:
         return f"p.{c_name(a[0].name)}"
     if op == "index":
         t, idx = c_name(a[0].name), a[1:]
-        lin = f"ja_clampi({emit_cpp(idx[0])}, p.{t}_d0)"
+        lin = f"ja_clampi({emit_cpp(idx[0], hoisted)}, p.{t}_d0)"
         for i in range(1, len(idx)):
-            lin = f"({lin} * (long long)p.{t}_d{i} + ja_clampi({emit_cpp(idx[i])}, p.{t}_d{i}))"
+            lin = (f"({lin} * (long long)p.{t}_d{i} + "
+                   f"ja_clampi({emit_cpp(idx[i], hoisted)}, p.{t}_d{i}))")
         read = f"p.{t}[{lin}]"
         return {"float": f"ja_to_float({read})", "int": f"((long long){read})",
                 "bool": f"({read} != 0)"}[e.kind]
-    x = [emit_cpp(y) for y in a]
+    x = [emit_cpp(y, hoisted) for y in a]
     if op == "neg":
         return f"(-{x[0]})"
     if op == "~":

@@ -117,11 +117,15 @@ def render_variant(variant: Variant, *, backend: str, head_dim: int) -> str:
     decls, _ = _param_decls(variant, backend)
     rope = variant.pos_encoding
     freqs = [repr(float(f)) + "f" for f in rope.inv_freq(head_dim)] if rope else ["0.0f"]
+    row_fields, hoisted = emit.hoist_row_invariants(
+        [t.expr for t in (variant.score, variant.mask_pred) if t is not None])
     return _environment().get_template("common/variant.h.j2").render(
         variant=variant, version=__version__, param_fields=decls,
         mask_mode=("none", "causal", "custom", "multi_item").index(variant.mask),
-        score_expr=variant.score.cpp if variant.score else "score",
-        mask_expr=variant.mask_pred.cpp if variant.mask_pred else "true",
+        row_fields=row_fields,
+        score_expr=emit.emit_cpp(variant.score.expr, hoisted) if variant.score else "score",
+        mask_expr=emit.emit_cpp(variant.mask_pred.expr, hoisted) if variant.mask_pred
+        else "true",
         rope_mode=0 if rope is None else (1 if rope.style == "neox" else 2),
         rope_inv_freq=freqs, head_dim=head_dim)
 

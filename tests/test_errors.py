@@ -18,7 +18,7 @@ def qkv(total_q=10, hq=8, total_kv=12, hkv=2, d=64, dtype=f16):
     (lambda q, k, v: (q.float(), k, v), TypeError, "q has dtype torch.float32"),
     (lambda q, k, v: (q, k.bfloat16(), v), TypeError, "share one dtype"),
     (lambda q, k, v: (q[0], k, v), ValueError, "q must have 3 dimensions"),
-    (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), ValueError, "head_dim"),
+    (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48]), ValueError, "head_dim"),
     (lambda q, k, v: (q, k[..., :32].contiguous(), v[..., :32].contiguous()), ValueError,
      "k/v head_dim"),
     (lambda q, k, v: (q, k, v[:5]), ValueError, "same shape"),

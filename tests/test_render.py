@@ -67,3 +67,17 @@ def test_compile_error_maps_back_to_variant_line():
     assert "not_a_function" in err.log and err.path.exists()
     assert err.variant_source.endswith(f":{mod.__code__.co_firstlineno}")
     assert str(err.path) in str(err)
+
+
+def test_row_invariant_subexpressions_are_hoisted():
+    """ALiBi's slopes[h] depends on the query row only: read once per row (Variant::row), and
+    the per-key score_mod refers to it; subexpressions with kv_idx or score stay per key."""
+    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
+    variant = ja.Variant("alibi", mask="causal",
+                         score_mod=lambda s, b, h, q, kv: s + slopes[h] * (kv - q) + (q // 7))
+    code = render.render_variant(variant, backend="cuda", head_dim=64)
+    row_fn = code[code.index("static Row row("):code.index("static float score_mod(")]
+    score_fn = code[code.index("static float score_mod("):code.index("static bool mask_mod(")]
+    assert "jap_slopes[" in row_fn and "ja_floordiv" in row_fn
+    assert "jap_slopes[" not in score_fn and "row.r0" in score_fn and "row.r1" in score_fn
+    assert "kv_idx" in score_fn and "kv_idx" not in row_fn

@@ -126,12 +126,14 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
     }
     // this thread's rows: row_w + mt * 16 + lane / 4 (+ 8 for h = 1)
     RowInfo ri[MT][2];
+    Variant::Row vrow[MT][2];  // the mods' per-row subexpressions
     float o[MT][ND][4], m[MT][2], l[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         ri[mt][h] = row_info(req, w.hk, g, w.row0 + row_w + mt * 16 + lane / 4 + 8 * h);
+        vrow[mt][h] = Variant::row(p, w.b, ri[mt][h].h, ri[mt][h].q_pos);
         m[mt][h] = -JA_INF;
         l[mt][h] = 0.f;
       }
@@ -202,13 +204,14 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
         for (int e = 0; e < 4; ++e) {
           const RowInfo& r = ri[mt][e / 2];
           const int kv_idx = t0 + key_w + n * 8 + (lane % 4) * 2 + (e % 2);
-          float x = Variant::score_mod(p, s[mt][n][e] * a.sm_scale, w.b, r.h, r.q_pos, kv_idx);
+          float x = Variant::score_mod(p, vrow[mt][e / 2], s[mt][n][e] * a.sm_scale, w.b, r.h,
+                                       r.q_pos, kv_idx);
           if (!whole) {
             bool vis = kv_idx < range.y;
             if (Variant::CAUSAL) vis = vis && kv_idx <= r.q_pos;
             if (Variant::WINDOW_LEFT >= 0) vis = vis && r.q_pos - kv_idx <= Variant::WINDOW_LEFT;
             vis = vis && data_mask(req, a.mask, r.qi, r.q_pos, kv_idx);
-            vis = vis && Variant::mask_mod(p, w.b, r.h, r.q_pos, kv_idx);
+            vis = vis && Variant::mask_mod(p, vrow[mt][e / 2], w.b, r.h, r.q_pos, kv_idx);
             x = vis ? x : -JA_INF;
           }
           s[mt][n][e] = x;
