@@ -10,9 +10,11 @@ import pytest
 
 EXAMPLES = sorted(p for p in (Path(__file__).parent.parent / "examples").glob("0*.py"))
 # optional packages an example needs (the "test" extra installs them)
-REQUIRES = {"07_llama_shared_prefix": "transformers"}
+REQUIRES = {"06_minilm_embeddings": "sentence_transformers",
+            "07_llama_shared_prefix": "transformers"}
 # what an example must print besides exiting 0: its checks ran
-PRINTS = {"07_llama_shared_prefix": ["SharedPrefixPrefill chose 'multi_item'",
+PRINTS = {"06_minilm_embeddings": ["min cosine"],
+          "07_llama_shared_prefix": ["SharedPrefixPrefill chose 'multi_item'",
                                      "item logits: max |jitattn - eager|",
                                      "CascadeDecode", "step logits: max |jitattn - eager|"]}
 

@@ -85,18 +85,31 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
       cp_async_16(q_s + r * ROW + c, src, valid);
     }
     cp_async_commit();
+    // A thread copies 16-byte column c of rows j0, j0 + THREADS / CHUNKS, ... of a K/V tile.
+    // The page-table lookups of all its rows are issued before any copy (one memory latency
+    // per tile rather than one per row).
+    constexpr int THREADS = NUM_WARPS * WARP;
+    constexpr int ROWS_THREAD = BLOCK_N * CHUNKS / THREADS;
+    static_assert(THREADS % CHUNKS == 0 && BLOCK_N * CHUNKS % THREADS == 0, "copy layout");
+    const int j0 = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 8;
     auto load_tile = [&](int tile, int stage) {
       DType* k_s = kv_s + stage * 2 * BLOCK_N * ROW;
       DType* v_s = k_s + BLOCK_N * ROW;
       const int t0 = range.x + tile * BLOCK_N;
-      for (int i = threadIdx.x; i < BLOCK_N * CHUNKS; i += blockDim.x) {
-        const int j = i / CHUNKS, c = (i % CHUNKS) * 8;
-        const bool valid = t0 + j < range.y;
+      int2 loc[ROWS_THREAD];
+#pragma unroll
+      for (int x = 0; x < ROWS_THREAD; ++x) {
+        const int j = t0 + j0 + x * (THREADS / CHUNKS);
+        loc[x] = j < range.y ? a.k_layout.locate(req.kv_start, j) : make_int2(-1, 0);
+      }
+#pragma unroll
+      for (int x = 0; x < ROWS_THREAD; ++x) {
+        const int j = j0 + x * (THREADS / CHUNKS);
+        const bool valid = loc[x].x >= 0;
         const DType *ks = a.k, *vs = a.v;
         if (valid) {
-          const int2 loc = a.k_layout.locate(req.kv_start, t0 + j);
-          ks += a.k_layout.at(loc, w.hk) + c;
-          vs += a.v_layout.at(loc, w.hk) + c;
+          ks += a.k_layout.at(loc[x], w.hk) + c;
+          vs += a.v_layout.at(loc[x], w.hk) + c;
         }
         cp_async_16(k_s + j * ROW + c, ks, valid);
         cp_async_16(v_s + j * ROW + c, vs, valid);
