@@ -136,9 +136,10 @@ class SharedPrefixPrefill:
         return "ragged" if not features - ALLOWED["ragged"] else "naive"
 
     def plan(self, prefix_len: int, suffix_lens, num_qo_heads: int, num_kv_heads: int,
-             head_dim: int, *, q_dtype=torch.float16) -> str:
+             head_dim: int, *, q_dtype=torch.float16, sm_scale: float | None = None) -> str:
         """Plan a batch: prefix_len P >= 0 tokens shared by len(suffix_lens) >= 1 requests with
-        suffixes of suffix_lens[i] >= 1 tokens. Returns the strategy used."""
+        suffixes of suffix_lens[i] >= 1 tokens. sm_scale: as for BatchPrefill.plan (default
+        1 / sqrt(head_dim)). Returns the strategy used."""
         self._steps = []  # a failed plan() leaves nothing half-planned behind
         suffix_lens = [operator.index(s) for s in suffix_lens]
         try:
@@ -155,7 +156,7 @@ class SharedPrefixPrefill:
         p, s = prefix_len, suffix_lens
         starts = p + np.concatenate([[0], np.cumsum(s)[:-1]])   # suffix i's first token
         heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     q_dtype=q_dtype)
+                     q_dtype=q_dtype, sm_scale=sm_scale)
         prefix_ids = np.arange(p)
         own = [np.arange(a, a + n) for a, n in zip(starts, s)]
         steps = []  # (wrapper name, rows: slice of the layout or index tensors, kind)

@@ -131,3 +131,14 @@ def test_variants_reading_the_request_index_are_refused_where_renumbered():
                 ref[:prefix] = o[:prefix]
             start += n
         torch.testing.assert_close(sp.run(q, k, v), ref, **TOL[torch.float16])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sm_scale_reaches_every_strategy(strategy):
+    variant = ja.Variant("causal", mask="causal")
+    prefix, suffixes = 40, [3, 9]
+    q, k, v = _layout(prefix, suffixes, 4, 2, 64, torch.float16, seed=5)
+    sp = SharedPrefixPrefill(variant, strategy, device="cpu")
+    sp.plan(prefix, suffixes, 4, 2, 64, sm_scale=0.3)
+    scaled = _per_request_reference(variant, q * 0.3 * 8, k, v, prefix, suffixes)  # 1/sqrt(64)
+    torch.testing.assert_close(sp.run(q, k, v), scaled, **TOL[torch.float16])
