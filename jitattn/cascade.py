@@ -38,7 +38,7 @@ class MultiLevelCascade:
                              f"{variant.mask!r}")
         check_strategy(variant, "cascade")
         shared = dataclasses.replace(variant, mask="none")
-        self.variant, self.device = variant, torch.device(device)
+        self.variant, self.device, self.page_size = variant, torch.device(device), page_size
         self.levels = [BatchPrefill(shared if i < num_levels - 1 else variant,
                                     page_size=page_size, kv_layout=kv_layout, device=device,
                                     **capacities) for i in range(num_levels)]
@@ -115,31 +115,102 @@ def _count(rows) -> int:
     return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
 
 
+# "auto" in CascadeDecode: the cascade pays about CASCADE_OVERHEAD_S more than plain decode
+# (an extra level, its split-KV merge and the level merge; H200, `jitattn bench cascade`: 0.51 vs
+# 0.19 ms at batch 16 / prefix 1024, where the bytes saved are negligible) and saves re-reading
+# the prefix for every request but one, at about DECODE_BYTES_PER_S (`jitattn bench decode`:
+# 3.2 TB/s). docs/performance.md, v6.
+CASCADE_OVERHEAD_S = 4e-4
+DECODE_BYTES_PER_S = 3.2e12
+
+
 class CascadeDecode(MultiLevelCascade):
     """Decode with one shared prefix: level 0 packs every request's query into one request
-    against the shared pages (read once); level 1 is each request against its own pages."""
+    against the shared pages (read once); level 1 is each request against its own pages.
+
+    strategy: "cascade", "plain" (one paged decode over [prefix pages + own pages] per
+    request; needs the prefix to end on a page boundary) or "auto" (plain when the prefix
+    bytes the cascade would save take less time to read than the cascade's extra launches
+    cost: CASCADE_OVERHEAD_S, DECODE_BYTES_PER_S; the shared-prefix survey in SEEDS_DIGEST.md
+    notes the same trade-off). The choice of the last plan() is in ``chosen``."""
 
     def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD", *,
-                 device="cuda", **capacities):
+                 strategy: str = "auto", device="cuda", **capacities):
+        if strategy not in ("auto", "cascade", "plain"):
+            raise ValueError(f"strategy={strategy!r}: expected 'auto', 'cascade' or 'plain'")
         super().__init__(variant, 2, page_size, kv_layout, device=device, **capacities)
         # the unique level has one query per request: the decode kernel
         self.levels[1] = BatchDecode(variant, page_size=page_size, kv_layout=kv_layout,
                                      device=device, **capacities)
+        self.plain = BatchDecode(variant, page_size=page_size, kv_layout=kv_layout,
+                                 device=device, **capacities)
+        self.strategy, self.chosen = strategy, None
+
+    def choose(self, batch: int, prefix_len: int, num_kv_heads: int, head_dim: int,
+               itemsize: int = 2) -> str:
+        """What "auto" takes for ``batch`` requests sharing ``prefix_len`` tokens."""
+        saved_bytes = max(0, batch - 1) * prefix_len * 2 * num_kv_heads * head_dim * itemsize
+        return "cascade" if saved_bytes / DECODE_BYTES_PER_S > CASCADE_OVERHEAD_S else "plain"
 
     def plan(self, shared_kv_indices, shared_last_page_len: int, unique_kv_indptr,
              unique_kv_indices, unique_kv_last_page_len, num_qo_heads: int, num_kv_heads: int,
-             head_dim: int, *, q_dtype=torch.float16, sm_scale: float | None = None) -> None:
+             head_dim: int, *, q_dtype=torch.float16, sm_scale: float | None = None) -> str:
         """shared_kv_indices: the prefix's pages (int32); shared_last_page_len: tokens on its
-        last page. unique_*: each request's own pages, as for BatchDecode.plan."""
-        self._rows = None
+        last page. unique_*: each request's own pages, as for BatchDecode.plan. Returns the
+        strategy used ("cascade" or "plain")."""
+        self._rows, self.chosen = None, None
         batch = len(unique_kv_indptr) - 1
         i32 = dict(dtype=torch.int32)
         shared_pages = len(shared_kv_indices)
-        self.levels[0].plan(torch.tensor([0, batch], **i32),
-                            torch.tensor([0, shared_pages], **i32), shared_kv_indices,
-                            torch.tensor([shared_last_page_len], **i32), num_qo_heads,
-                            num_kv_heads, head_dim, q_dtype=q_dtype, sm_scale=sm_scale)
-        self.levels[1].plan(unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len,
-                            num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
-                            sm_scale=sm_scale)
+        prefix_len = (shared_pages - 1) * self.page_size + int(shared_last_page_len) \
+            if shared_pages else 0
+        aligned = shared_pages == 0 or int(shared_last_page_len) == self.page_size
+        strategy = self.strategy
+        if strategy == "auto":
+            strategy = self.choose(batch, prefix_len, num_kv_heads, head_dim,
+                                   torch.empty(0, dtype=q_dtype).element_size())
+            strategy = strategy if aligned else "cascade"
+        if strategy == "plain":
+            if not aligned:
+                raise ValueError(f"strategy 'plain' needs the shared prefix to end on a page "
+                                 f"boundary; its last page holds {shared_last_page_len} of "
+                                 f"{self.page_size} tokens")
+            self._plan_plain(shared_kv_indices, unique_kv_indptr, unique_kv_indices,
+                             unique_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                             q_dtype, sm_scale)
+        else:
+            self.levels[0].plan(torch.tensor([0, batch], **i32),
+                                torch.tensor([0, shared_pages], **i32), shared_kv_indices,
+                                torch.tensor([shared_last_page_len], **i32), num_qo_heads,
+                                num_kv_heads, head_dim, q_dtype=q_dtype, sm_scale=sm_scale)
+            self.levels[1].plan(unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len,
+                                num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
+                                sm_scale=sm_scale)
         self._set_rows([self._level_rows(0, batch, None), self._level_rows(1, batch, None)])
+        self.chosen = strategy
+        return strategy
+
+    def _plan_plain(self, shared, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim,
+                    q_dtype, sm_scale) -> None:
+        """Every request's page table: the prefix's pages, then its own."""
+        shared = torch.as_tensor(shared, dtype=torch.int32).cpu()
+        indptr = torch.as_tensor(indptr, dtype=torch.int32).cpu()
+        indices = torch.as_tensor(indices, dtype=torch.int32).cpu()
+        last = torch.as_tensor(last, dtype=torch.int32).cpu()
+        batch, n = len(indptr) - 1, len(shared)
+        own = torch.diff(indptr)
+        tables = [torch.cat([shared, indices[int(indptr[b]):int(indptr[b + 1])]])
+                  for b in range(batch)]
+        full_last = torch.where(own > 0, last, torch.full_like(last, self.page_size if n else 0))
+        self.plain.plan(torch.cat([torch.zeros(1, dtype=torch.int32),
+                                   torch.cumsum(own + n, 0, dtype=torch.int32)]),
+                        torch.cat(tables) if tables else torch.zeros(0, dtype=torch.int32),
+                        full_last, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
+                        sm_scale=sm_scale)
+
+    def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False, **params):
+        """Attention of q [batch, heads, head_dim] over the shared prefix and each request's
+        own pages (see MultiLevelCascade.run)."""
+        if self.chosen == "plain":
+            return self.plain.run(q, kv_cache, return_lse=return_lse, **params)
+        return super().run(q, kv_cache, return_lse=return_lse, **params)

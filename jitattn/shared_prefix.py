@@ -37,6 +37,7 @@ import torch
 from .batch import BatchPrefill
 from .merge import merge_state_in_place
 from .prefix import multi_item_metadata
+from .render import tiles_for
 from .spec import Variant
 
 STRATEGIES = ("naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
@@ -100,9 +101,9 @@ def _indptr(lens) -> torch.Tensor:
 class SharedPrefixPrefill:
     """Prefill M requests that share a P-token prefix, with one of STRATEGIES.
 
-    variant: a causal Variant. strategy: one of STRATEGIES or "auto" (the seed's selection
-    guide: multi_item for a long prefix, many requests and short suffixes, else ragged; a
-    measured cost model is future work). device, **capacities: as for BatchPrefill.
+    variant: a causal Variant. strategy: one of STRATEGIES or "auto" (see choose(): a rule
+    fitted to the grid measured on the H200; a per-GPU calibrated cost model is future work).
+    device, **capacities: as for BatchPrefill.
     """
 
     def __init__(self, variant: Variant, strategy: str = "auto", *, device="cuda",
@@ -127,12 +128,22 @@ class SharedPrefixPrefill:
                                                 device=self.device, **self._capacities)
         return self._wrappers[name]
 
-    def choose(self, prefix_len: int, suffix_lens) -> str:
-        """The strategy "auto" takes for this batch."""
+    def choose(self, prefix_len: int, suffix_lens, num_qo_heads: int = 1,
+               num_kv_heads: int = 1, head_dim: int = 128) -> str:
+        """The strategy "auto" takes for this batch: a rule fitted to the grid measured with
+        ``jitattn bench shared-prefix`` on the H200 (docs/performance.md, v6). "cascade" when a
+        long prefix (>= 1024 tokens) is shared by 8 or more requests whose suffixes are short
+        (suffix_len * GQA group <= half a prefill tile: "ragged" would run each request's few
+        packed rows in a tile of their own, re-reading the prefix each time, where the cascade
+        packs every suffix query into one request against the prefix, read once); otherwise
+        "ragged"; "naive" for variants that ragged would change."""
         m, longest = len(suffix_lens), max(suffix_lens, default=0)
         features = layout_features(self.variant)
-        if prefix_len >= 1024 and m >= 8 and longest <= 4 and not features:
-            return "multi_item"
+        group = num_qo_heads // max(1, num_kv_heads)
+        tile_rows = tiles_for("prefill", head_dim).rows_per_cta("prefill")
+        if prefix_len >= 1024 and m >= 8 and longest * group <= tile_rows // 2 and \
+                not features - ALLOWED["cascade"]:
+            return "cascade"
         return "ragged" if not features - ALLOWED["ragged"] else "naive"
 
     def plan(self, prefix_len: int, suffix_lens, num_qo_heads: int, num_kv_heads: int,
@@ -151,8 +162,8 @@ class SharedPrefixPrefill:
         if not suffix_lens or min(suffix_lens) < 1:
             raise ValueError(f"suffix_lens={suffix_lens}: expected at least one request, each "
                              f"with at least one token of its own")
-        strategy = self.choose(prefix_len, suffix_lens) if self.strategy == "auto" \
-            else self.strategy
+        strategy = self.choose(prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim) \
+            if self.strategy == "auto" else self.strategy
         p, s = prefix_len, suffix_lens
         starts = p + np.concatenate([[0], np.cumsum(s)[:-1]])   # suffix i's first token
         heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,

@@ -131,3 +131,34 @@ def test_levels_covering_some_rows(shared_rows):
     ref, ref_lse = plain.run(q, cache, return_lse=True)
     torch.testing.assert_close(got, ref, **TOL[torch.float16])
     torch.testing.assert_close(got_lse, ref_lse, atol=2e-3, rtol=1e-4)
+
+
+def test_auto_takes_plain_decode_when_the_prefix_is_short():
+    """"auto" runs one plain paged decode when the bytes a cascade saves would not pay for its
+    extra launches; both choices give the same attention."""
+    gen = torch.Generator().manual_seed(4)
+    page_size, hq, hkv, d = 4, 8, 2, 64
+    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    cache = tuple(torch.randn(30, page_size, hkv, d, generator=gen).half() for _ in range(2))
+    q = torch.randn(3, hq, d, generator=gen).half()
+    i32 = dict(dtype=torch.int32)
+    args = (torch.tensor([0, 1, 2], **i32), 4, torch.tensor([0, 2, 2, 5], **i32),
+            torch.tensor([3, 4, 5, 6, 7], **i32), torch.tensor([2, 0, 1], **i32), hq, hkv, d)
+    results = {}
+    for strategy in ("auto", "cascade", "plain"):
+        cd = ja.CascadeDecode(variant, page_size=page_size, strategy=strategy, device="cpu")
+        assert cd.plan(*args) == (strategy if strategy != "auto" else "plain") == cd.chosen
+        results[strategy] = cd.run(q, cache, return_lse=True)
+    for strategy in ("auto", "plain"):
+        torch.testing.assert_close(results[strategy][0], results["cascade"][0],
+                                   **TOL[torch.float16])
+        torch.testing.assert_close(results[strategy][1], results["cascade"][1], atol=2e-3,
+                                   rtol=1e-4)
+    cd = ja.CascadeDecode(variant, page_size=page_size, device="cpu")
+    assert cd.choose(64, 32768, 8, 128) == "cascade" and cd.choose(16, 1024, 8, 128) == "plain"
+    # a prefix that ends inside a page cannot be one plain page table: cascade, or an error
+    partial = (args[0], 3) + args[2:]
+    assert cd.plan(*partial) == "cascade"
+    with pytest.raises(ValueError, match="page boundary"):
+        ja.CascadeDecode(variant, page_size=page_size, strategy="plain",
+                         device="cpu").plan(*partial)

@@ -67,8 +67,10 @@ def test_position_dependent_variants_on_exact_strategies(strategy):
 def test_auto_follows_the_selection_guide_and_is_exact():
     variant = ja.Variant("causal", mask="causal")
     sp = SharedPrefixPrefill(variant, device="cpu")
-    assert sp.choose(8196, [4] * 32) == "multi_item"
-    assert sp.choose(96, [4] * 32) == "ragged"
+    # the measured grid (heads 16/8): cascade wins at P8196 S4 M32, ragged everywhere else
+    assert sp.choose(8196, [4] * 32, 16, 8, 128) == "cascade"
+    for prefix, suffixes in ((8196, [256] * 32), (8196, [4] * 2), (96, [4] * 32)):
+        assert sp.choose(prefix, suffixes, 16, 8, 128) == "ragged"
     rng = random.Random(0)
     for _ in range(3):
         prefix, suffixes = rng.randrange(0, 200), [rng.randrange(1, 20) for _ in range(4)]
