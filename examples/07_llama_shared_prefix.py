@@ -11,7 +11,7 @@ downloaded). On a GPU it runs that configuration in fp16; on the CPU a narrower 
     given [prompt + item]. The model runs once over the deduplicated tokens [P, item_0, ...,
     item_{N-1}], item tokens at positions P, P + 1, ... (as if each item followed the prompt
     alone), and every layer's attention is one ``ja.SharedPrefixPrefill(strategy="auto")`` call
-    (multi_item for a long prompt, many items and short items; else ragged).
+    (cascade for a long prompt shared by many short items, else ragged: SharedPrefixPrefill.choose).
 (b) Parallel sampling: N continuations of one prompt decoded together. The prompt's K/V is
     prefilled once into a paged cache shared by all N sequences; each step ``ja.CascadeDecode``
     reads the prompt's pages once for every sequence (level 0) and each sequence's own pages
@@ -238,7 +238,9 @@ def sample_jitattn(model, prompt, num_seqs: int, steps: int, first_tokens):
         kv.write(layer, torch.arange(p, device=DEVICE), k, v)
         return ja.attention(q, k, v, VARIANT).to(MODEL_DTYPE)
 
-    cascade = ja.CascadeDecode(VARIANT, page_size=PAGE_SIZE, device=DEVICE)
+    # strategy "cascade" to show it; "auto" would take one plain paged decode where the prompt
+    # bytes saved do not pay for the cascade's extra launches (CascadeDecode.choose)
+    cascade = ja.CascadeDecode(VARIANT, page_size=PAGE_SIZE, strategy="cascade", device=DEVICE)
     tokens, logits = [first_tokens], []
     with torch.inference_mode():
         forward(model, prompt, torch.arange(p, device=DEVICE), prefill)

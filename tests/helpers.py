@@ -85,3 +85,22 @@ def check_batch(wrapper, variant, params, q, kv_cache, qo_indptr, kv_indptr, kv_
                                            kv_indptr=token_indptr, return_lse=True,
                                            mask_data=mask, **params)
     return compare(variant, out, lse, ref_out, ref_lse)
+
+
+def every_feature_variant(device):
+    """A user variant using every DSL feature at once (runtime scalar and tensor, soft-cap
+    plus ALiBi-style bias, window, mask_mod with Python modulo, fused RoPE with scaling), and
+    its parameters for 8 query heads."""
+    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
+    cap = ja.scalar("cap")
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return cap * ja.tanh(score / cap) + slopes[h] * (kv_idx - q_idx)
+
+    def local_and_even(b, h, q_idx, kv_idx):
+        return ((q_idx - kv_idx) % 2 == 0) | (kv_idx < 3)
+    variant = ja.Variant("everything", mask="causal", window_left=40, score_mod=mod,
+                         mask_mod=local_and_even,
+                         pos_encoding=ja.RoPE(theta=1e4, style="gptj",
+                                              scaling={"type": "linear", "factor": 2.0}))
+    return variant, {"cap": 20.0, "slopes": ja.alibi_slopes(8).to(device)}

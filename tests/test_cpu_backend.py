@@ -9,7 +9,7 @@ import torch
 import jitattn as ja
 from jitattn import catalog
 
-from helpers import check, make_batch
+from helpers import check, every_feature_variant, make_batch
 
 BUILTIN = catalog.builtin()
 HEADS = [(4, 4), (8, 2), (7, 1)]  # GQA group sizes 1, 4, 7
@@ -36,20 +36,8 @@ def test_builtin_variant_matches_reference(name, dtype):
 
 
 def test_custom_variant_with_every_feature():
-    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
-    cap = ja.scalar("cap")
-
-    def mod(score, b, h, q_idx, kv_idx):
-        return cap * ja.tanh(score / cap) + slopes[h] * (kv_idx - q_idx)
-
-    def local_and_even(b, h, q_idx, kv_idx):
-        return ((q_idx - kv_idx) % 2 == 0) | (kv_idx < 3)
-    variant = ja.Variant("everything", mask="causal", window_left=40, score_mod=mod,
-                         mask_mod=local_and_even,
-                         pos_encoding=ja.RoPE(theta=1e4, style="gptj",
-                                              scaling={"type": "linear", "factor": 2.0}))
+    variant, params = every_feature_variant("cpu")
     q, k, v, qo, kv = make_batch([3, 50], [60, 50], 8, 2, 128, torch.float16, "cpu", seed=7)
-    params = {"cap": 20.0, "slopes": ja.alibi_slopes(8)}
     check(variant, params, q, k, v, qo, kv)
 
 

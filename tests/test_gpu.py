@@ -11,7 +11,7 @@ import torch
 import jitattn as ja
 from jitattn import catalog, reference
 
-from helpers import check, make_batch
+from helpers import check, every_feature_variant, make_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -49,19 +49,7 @@ def test_builtin_variant_matches_reference(name, dtype, head_dim):
 
 
 def test_custom_variant_with_every_feature_gpu():
-    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
-    cap = ja.scalar("cap")
-
-    def mod(score, b, h, q_idx, kv_idx):
-        return cap * ja.tanh(score / cap) + slopes[h] * (kv_idx - q_idx)
-
-    def local_and_even(b, h, q_idx, kv_idx):
-        return ((q_idx - kv_idx) % 2 == 0) | (kv_idx < 3)
-    variant = ja.Variant("everything", mask="causal", window_left=40, score_mod=mod,
-                         mask_mod=local_and_even,
-                         pos_encoding=ja.RoPE(theta=1e4, style="gptj",
-                                              scaling={"type": "linear", "factor": 2.0}))
-    params = {"cap": 20.0, "slopes": ja.alibi_slopes(8).cuda()}
+    variant, params = every_feature_variant("cuda")
     for qo_lens, kv_lens in (([3, 50], [60, 50]), ([1, 1], [90, 3])):
         q, k, v, qo, kv = make_batch(qo_lens, kv_lens, 8, 2, 128, torch.bfloat16, "cuda", 7)
         check(variant, params, q, k, v, qo, kv)
