@@ -47,8 +47,52 @@ def test_llama_logits_match_eager_prefill_and_decode(monkeypatch):
     assert calls == [(74, 4, 64)] * 2 + [(2, 4, 64)] * 2
 
 
-def test_padded_batches_are_refused():
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_matches_eager_prefill_and_decode(side, monkeypatch):
+    """A batch of prompts of different lengths, padded (left: generation; right: scoring):
+    the real tokens' logits match eager attention, prefill and one decode step."""
+    import jitattn.integrations.transformers as integration
+    calls = []
+    real_attention = integration.ja.attention
+    monkeypatch.setattr(integration.ja, "attention",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real_attention(*a, **k))
+    name = register()
+    model = tiny_llama("eager")
+    gen = torch.Generator().manual_seed(2)
+    lens, width = [29, 12, 20], 29
+    ids = torch.randint(0, 512, (3, width), generator=gen)
+    am = torch.zeros(3, width, dtype=torch.long)
+    for b, n in enumerate(lens):
+        am[b, width - n:] = 1 if side == "left" else 0
+        am[b, :n] = 1 if side == "right" else am[b, :n]
+    real = am.bool()
+    results = {}
+    with torch.inference_mode():
+        for attn in ("eager", name):
+            model.config._attn_implementation = attn
+            pre = model(ids, attention_mask=am, use_cache=True)
+            step = None
+            if side == "left":  # decode continues every sequence at its end
+                nxt = torch.randint(0, 512, (3, 1), generator=torch.Generator().manual_seed(3))
+                step = model(nxt, attention_mask=torch.cat([am, torch.ones(3, 1).long()], 1),
+                             past_key_values=pre.past_key_values, use_cache=True).logits
+            results[attn] = (pre.logits[real], step)
+    torch.testing.assert_close(results[name][0], results["eager"][0], atol=2e-2, rtol=2e-2)
+    # jitattn ran every layer on the real tokens only: 61 of 87 in prefill, 3 per decode step
+    assert calls == [sum(lens)] * 2 + ([3] * 2 if side == "left" else [])
+    if side == "left":
+        torch.testing.assert_close(results[name][1], results["eager"][1], atol=2e-2, rtol=2e-2)
+
+
+def test_masks_that_are_not_padding_are_refused():
     from jitattn.integrations.transformers import jitattn_attention_forward
-    q = torch.randn(1, 4, 5, 64).half()
-    with pytest.raises(ValueError, match="without padding"):
-        jitattn_attention_forward(torch.nn.Module(), q, q, q, torch.ones(1, 1, 5, 5))
+    q = torch.randn(1, 4, 6, 64).half()
+    packed = torch.zeros(1, 1, 6, 6, dtype=torch.bool)  # two packed sequences of 3 tokens
+    for lo in (0, 3):
+        packed[0, 0, lo:lo + 3, lo:lo + 3] = torch.ones(3, 3).tril().bool()
+    module = torch.nn.Module()
+    module.is_causal = True
+    with pytest.raises(ValueError, match="not a padding mask"):
+        jitattn_attention_forward(module, q, q, q, packed)
+    with pytest.raises(ValueError, match="dropout"):
+        jitattn_attention_forward(module, q, q, q, None, dropout=0.1)

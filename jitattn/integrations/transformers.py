@@ -6,10 +6,15 @@
 
 The Variant comes from what the model passes each call: causal or not (the module's
 ``is_causal``), ``sliding_window`` and ``softcap`` (Gemma 2 style), ``scaling`` as sm_scale;
-RoPE has already been applied by the model. Batches without padding are supported: the mask
-function registered with the attention (transformers' sdpa mask) returns no mask for them, and
-jitattn runs the batch as a ragged batch of equal requests, queries aligned to the end of the
-keys (as in decoding with a KV cache). A batch with padding raises ValueError.
+RoPE has already been applied by the model.
+
+Batches: without padding, the mask function registered with the attention (transformers' sdpa
+mask) returns no mask, and jitattn runs the batch as a ragged batch of equal requests, queries
+aligned to the end of the keys (as in decoding with a KV cache). With padding (left or right,
+prefill or decode with a cache), the mask is turned into a ragged batch once per forward (the
+model passes the same mask to every layer): each request keeps its real queries and keys, and
+the mask is checked to be exactly what the variant computes on them; padding rows give 0. A
+mask that is not padding-shaped (e.g. packed sequences) raises ValueError.
 """
 
 from __future__ import annotations
@@ -33,34 +38,98 @@ def variant_for(causal: bool, sliding_window: int | None, softcap: float | None)
                       score_mod=ja.soft_cap(float(softcap)) if softcap else None)
 
 
+class _Unpadding:
+    """A padded batch as a ragged one: rows of q [batch * q_len] and of k/v [batch * kv_len]
+    that are real, in order, with their indptrs."""
+
+    def __init__(self, allowed: torch.Tensor, variant: ja.Variant):
+        """allowed: [batch, q_len, kv_len] bool, True where a query may see a key. A key is
+        real if some query sees it; a query is real if its own token (key kv_len - q_len + i)
+        is, and only real queries' rows are checked and computed."""
+        q_len, kv_len = allowed.shape[1:]
+        key_real = allowed.any(dim=1)
+        q_real = key_real[:, kv_len - q_len:]
+        n, m = key_real.sum(1), q_real.sum(1)
+        key_rank, q_rank = key_real.cumsum(1) - 1, q_real.cumsum(1) - 1
+        # what the variant computes on the real rows: query rank r sits at position
+        # n - m + r among the request's n real keys (bottom-right alignment)
+        expected = q_real[:, :, None] & key_real[:, None, :]
+        q_pos = (n - m)[:, None, None] + q_rank[:, :, None]
+        if variant.mask == "causal":
+            expected &= key_rank[:, None, :] <= q_pos
+        if variant.window_left is not None:
+            expected &= q_pos - key_rank[:, None, :] <= variant.window_left
+        if not torch.equal(expected[q_real], allowed[q_real]):
+            raise ValueError(
+                "the attention mask is not a padding mask of this layer's attention (each "
+                "request: real queries seeing real keys, causal / window aligned to the end); "
+                "jitattn's transformers integration takes unpadded or padded batches, not "
+                "packed sequences or arbitrary masks")
+        self.q_rows = q_real.reshape(-1).nonzero().squeeze(1)
+        self.kv_rows = key_real.reshape(-1).nonzero().squeeze(1)
+        counts = torch.stack([m, n]).cpu()  # one host sync per forward
+        zero = torch.zeros(1, dtype=torch.int32)
+        self.qo_indptr = torch.cat([zero, counts[0].cumsum(0).to(torch.int32)])
+        self.kv_indptr = torch.cat([zero, counts[1].cumsum(0).to(torch.int32)])
+
+
+# the last mask seen, kept alive so that `is` identifies it (the model passes the same mask
+# tensor to every layer of one forward), with its ragged layout per variant
+_LAST: dict = {"mask": None, "layouts": {}}
+
+
+def _unpadding(attention_mask: torch.Tensor, variant: ja.Variant) -> _Unpadding:
+    # inference tensors keep no version counter; transformers builds a new mask per forward
+    version = None if attention_mask.is_inference() else attention_mask._version
+    if _LAST["mask"] is not attention_mask or _LAST.get("version") != version:
+        _LAST.update(mask=attention_mask, version=version, layouts={})
+    layouts = _LAST["layouts"]
+    if variant not in layouts:
+        if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; "
+                             f"expected [batch, 1, q_len, kv_len]")
+        allowed = attention_mask[:, 0]
+        if allowed.dtype != torch.bool:  # additive: 0 where allowed, a large negative elsewhere
+            allowed = allowed == 0
+        layouts[variant] = _Unpadding(allowed, variant)
+    return layouts[variant]
+
+
 def jitattn_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                               scaling: float | None = None, is_causal: bool | None = None,
                               sliding_window: int | None = None, softcap: float | None = None,
                               **kwargs):
     """transformers' attention signature: query [batch, heads, q_len, head_dim], key / value
-    [batch, kv_heads, kv_len, head_dim]; returns (out [batch, q_len, heads, head_dim], None)."""
-    if attention_mask is not None:
-        raise ValueError("jitattn's transformers integration takes batches without padding "
-                         "(the attention mask was not empty); run padded batches one request "
-                         "at a time, or use BatchPrefill with ragged lengths")
+    [batch, kv_heads, kv_len, head_dim], attention_mask None or [batch, 1, q_len, kv_len]
+    (bool, True = attend, or additive float); returns (out [batch, q_len, heads, head_dim],
+    None). Raises ValueError for dropout or a mask that is not padding-shaped."""
     if dropout:
         raise ValueError(f"dropout={dropout}: jitattn is for inference (dropout 0)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     variant = variant_for(bool(causal), sliding_window, softcap)
     batch, hq, q_len, d = query.shape
     kv_len = key.shape[2]
-    q = query.transpose(1, 2).reshape(batch * q_len, hq, d).contiguous()
-    k = key.transpose(1, 2).reshape(batch * kv_len, key.shape[1], d).contiguous()
-    v = value.transpose(1, 2).reshape(batch * kv_len, value.shape[1], d).contiguous()
-    qo = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32)
-    kv = torch.arange(0, batch * kv_len + 1, kv_len, dtype=torch.int32)
-    out = ja.attention(q, k, v, variant, qo_indptr=qo, kv_indptr=kv, sm_scale=scaling)
+    q = query.transpose(1, 2).reshape(batch * q_len, hq, d)
+    k = key.transpose(1, 2).reshape(batch * kv_len, key.shape[1], d)
+    v = value.transpose(1, 2).reshape(batch * kv_len, value.shape[1], d)
+    if attention_mask is None:
+        qo = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32)
+        kv = torch.arange(0, batch * kv_len + 1, kv_len, dtype=torch.int32)
+        out = ja.attention(q.contiguous(), k.contiguous(), v.contiguous(), variant,
+                           qo_indptr=qo, kv_indptr=kv, sm_scale=scaling)
+        return out.reshape(batch, q_len, hq, d), None
+    layout = _unpadding(attention_mask, variant)
+    out = torch.zeros(batch * q_len, hq, d, dtype=query.dtype, device=query.device)
+    out[layout.q_rows] = ja.attention(q[layout.q_rows], k[layout.kv_rows], v[layout.kv_rows],
+                                      variant, qo_indptr=layout.qo_indptr,
+                                      kv_indptr=layout.kv_indptr, sm_scale=scaling)
     return out.reshape(batch, q_len, hq, d), None
 
 
 def register(name: str = "jitattn") -> str:
-    """Register the attention function and its mask function (transformers' sdpa mask, which
-    is empty for unpadded causal batches) under ``name``; returns the name."""
+    """Register the attention function and its mask function (transformers' sdpa mask: empty
+    for unpadded causal batches, [batch, 1, q_len, kv_len] bool with padding) under ``name``;
+    returns the name."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
     AttentionInterface.register(name, jitattn_attention_forward)
