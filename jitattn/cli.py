@@ -86,6 +86,24 @@ def _bench(args) -> int:
     return bench.main(args.kind, args.quick, args.json, args.png)
 
 
+def _tune(args) -> int:
+    import torch
+
+    from . import tune
+    device = "cpu" if args.cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("jitattn tune needs a CUDA GPU (or --cpu)", file=sys.stderr)
+        return 2
+    table = tune.measure(device, quick=args.quick, num_qo_heads=args.heads[0],
+                         num_kv_heads=args.heads[1], head_dim=args.head_dim)
+    for cell in table["cells"]:
+        best = min(cell["ms"], key=cell["ms"].get)
+        print(f"P{cell['prefix']} S{cell['suffix']} M{cell['requests']}: {best} "
+              + " ".join(f"{k} {v:.3f}" for k, v in cell["ms"].items()))
+    print(f"table for {table['device']} written to {tune.save(table)}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jitattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +126,14 @@ def main(argv=None) -> int:
     r.add_argument("--json", help="write the rows and metadata to this file")
     r.add_argument("--png", help="shared-prefix: plot speedup over naive per strategy here")
     r.set_defaults(fn=_bench)
+    t = sub.add_parser("tune", help="measure the shared-prefix strategies on this device and "
+                                    "store the table strategy='auto' uses")
+    t.add_argument("--quick", action="store_true", help="two small cells (a smoke test)")
+    t.add_argument("--cpu", action="store_true", help="measure the CPU backend")
+    t.add_argument("--heads", type=int, nargs=2, default=[16, 8],
+                   metavar=("NUM_QO_HEADS", "NUM_KV_HEADS"))
+    t.add_argument("--head-dim", type=int, default=128, choices=render.HEAD_DIMS)
+    t.set_defaults(fn=_tune)
     args = parser.parse_args(argv)
     if args.command == "compile" and not args.cpu and env.nvcc_path() is None:
         print("jitattn compile: nvcc not found; use --cpu or install the CUDA toolkit",

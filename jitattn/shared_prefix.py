@@ -34,6 +34,7 @@ import operator
 import numpy as np
 import torch
 
+from . import tune
 from .batch import BatchPrefill
 from .merge import merge_state_in_place
 from .prefix import multi_item_metadata
@@ -130,15 +131,24 @@ class SharedPrefixPrefill:
 
     def choose(self, prefix_len: int, suffix_lens, num_qo_heads: int = 1,
                num_kv_heads: int = 1, head_dim: int = 128) -> str:
-        """The strategy "auto" takes for this batch: a rule fitted to the grid measured with
-        ``jitattn bench shared-prefix`` on the H200 (docs/performance.md, v6). "cascade" when a
-        long prefix (>= 1024 tokens) is shared by 8 or more requests whose suffixes are short
+        """The strategy "auto" takes for this batch. With a table measured by ``jitattn tune``
+        on this device for this head configuration: the fastest exact strategy of the nearest
+        measured cell (tune.lookup). Otherwise a rule fitted to the grid measured with
+        ``jitattn bench shared-prefix`` on the H200 (docs/performance.md, v6): "cascade" when
+        a long prefix (>= 1024 tokens) is shared by 8 or more requests whose suffixes are short
         (suffix_len * GQA group <= half a prefill tile: "ragged" would run each request's few
         packed rows in a tile of their own, re-reading the prefix each time, where the cascade
         packs every suffix query into one request against the prefix, read once); otherwise
         "ragged"; "naive" for variants that ragged would change."""
         m, longest = len(suffix_lens), max(suffix_lens, default=0)
         features = layout_features(self.variant)
+        table = tune.load(tune.device_key(self.device))
+        if table is not None and (table["num_qo_heads"], table["num_kv_heads"],
+                                  table["head_dim"]) == (num_qo_heads, num_kv_heads, head_dim):
+            exact = [s for s in STRATEGIES if not features - ALLOWED[s]]
+            measured = tune.lookup(table, prefix_len, longest, m, exact)
+            if measured is not None:
+                return measured
         group = num_qo_heads // max(1, num_kv_heads)
         tile_rows = tiles_for("prefill", head_dim).rows_per_cta("prefill")
         if prefix_len >= 1024 and m >= 8 and longest * group <= tile_rows // 2 and \

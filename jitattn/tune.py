@@ -1,0 +1,103 @@
+"""``jitattn tune``: measure every shared-prefix strategy on this device over a grid of
+(prefix P, suffix S, requests M) and store the table beside the kernel cache; the strategy
+"auto" of SharedPrefixPrefill then takes, per batch, the fastest exact strategy of the nearest
+measured cell (nearest in log2 of P + 1, S and M), for the head configuration the table was
+measured with. Without a table for the device and head configuration, "auto" applies the rule
+in SharedPrefixPrefill.choose.
+
+The table is JSON: {"device", "num_qo_heads", "num_kv_heads", "head_dim", "dtype", "cells":
+[{"prefix", "suffix", "requests", "ms": {strategy: milliseconds}}]}, written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from . import env
+
+PREFIXES, SUFFIXES, REQUESTS = (96, 512, 2048, 8196), (1, 4, 32, 256), (2, 8, 32)
+QUICK_CELLS = ((16, 2, 2), (40, 3, 4))
+
+
+def device_key(device) -> str:
+    """The name a table is stored under: the GPU's name and compute capability, or "cpu"."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"{torch.cuda.get_device_name(index)} sm{major}{minor}"
+
+
+def table_path(key: str) -> Path:
+    return env.cache_dir() / "tune" / (re.sub(r"[^A-Za-z0-9_.-]+", "_", key) + ".json")
+
+
+@lru_cache(maxsize=None)
+def load(key: str) -> dict | None:
+    """The stored table for device ``key``, or None (read once per process; save() resets)."""
+    try:
+        return json.loads(table_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save(table: dict) -> Path:
+    """Write the table for its device atomically; returns the path."""
+    path = table_path(table["device"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(table, f, indent=1)
+    os.replace(tmp, path)
+    load.cache_clear()
+    return path
+
+
+def lookup(table: dict, prefix_len: int, suffix_len: int, requests: int, allowed) -> str | None:
+    """The fastest strategy among ``allowed`` at the measured cell nearest to (P, S, M)."""
+    def distance(cell):
+        return ((math.log2(cell["prefix"] + 1) - math.log2(prefix_len + 1)) ** 2 +
+                (math.log2(cell["suffix"]) - math.log2(max(1, suffix_len))) ** 2 +
+                (math.log2(cell["requests"]) - math.log2(max(1, requests))) ** 2)
+    cells = [c for c in table.get("cells", []) if any(s in c["ms"] for s in allowed)]
+    if not cells:
+        return None
+    ms = min(cells, key=distance)["ms"]
+    return min((s for s in allowed if s in ms), key=lambda s: ms[s])
+
+
+def measure(device, *, quick: bool = False, num_qo_heads: int = 16, num_kv_heads: int = 8,
+            head_dim: int = 128, dtype=torch.float16, reps: int = 5) -> dict:
+    """Time every strategy on every cell of the grid (QUICK_CELLS with quick) on ``device``
+    with a causal variant; returns the table (not saved)."""
+    from . import bench, bench_shared
+    from .shared_prefix import STRATEGIES, SharedPrefixPrefill
+    from .spec import Variant
+    device = torch.device(device)
+    variant = Variant("tune", mask="causal")
+    cells = QUICK_CELLS if quick else [(p, s, m) for p in PREFIXES for s in SUFFIXES
+                                       for m in REQUESTS]
+    rows = []
+    for p, s, m in cells:
+        gen = torch.Generator(device=device).manual_seed(p + s + m)
+        q, k, v = (torch.randn(p + s * m, h, head_dim, generator=gen, device=device,
+                               dtype=dtype)
+                   for h in (num_qo_heads, num_kv_heads, num_kv_heads))
+        times = {}
+        for strategy in STRATEGIES:
+            sp = SharedPrefixPrefill(variant, strategy, device=device, **bench_shared.CAPACITIES)
+            sp.plan(p, [s] * m, num_qo_heads, num_kv_heads, head_dim, q_dtype=dtype)
+            times[strategy] = bench.timed(lambda sp=sp: sp.run(q, k, v), reps=reps, warmup=1,
+                                          inner=3, device=device.type)
+        rows.append({"prefix": p, "suffix": s, "requests": m, "ms": times})
+    return {"device": device_key(device), "num_qo_heads": num_qo_heads,
+            "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(dtype), "cells": rows}

@@ -1,0 +1,61 @@
+"""`jitattn tune`: the measured table is stored beside the cache and drives strategy="auto"."""
+
+import json
+
+import pytest
+
+import jitattn as ja
+from jitattn import cli, tune
+from jitattn.shared_prefix import STRATEGIES, SharedPrefixPrefill
+
+
+@pytest.fixture
+def fresh_tables(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(tmp_path))
+    tune.load.cache_clear()
+    yield tmp_path
+    tune.load.cache_clear()
+
+
+def test_tune_measures_every_strategy_and_stores_the_table(fresh_tables, capsys):
+    assert cli.main(["tune", "--quick", "--cpu", "--heads", "4", "2", "--head-dim", "64"]) == 0
+    table = json.loads(tune.table_path("cpu").read_text())
+    assert (table["num_qo_heads"], table["num_kv_heads"], table["head_dim"]) == (4, 2, 64)
+    assert [(c["prefix"], c["suffix"], c["requests"]) for c in table["cells"]] == \
+        list(tune.QUICK_CELLS)
+    for cell in table["cells"]:
+        assert set(cell["ms"]) == set(STRATEGIES) and min(cell["ms"].values()) > 0
+    assert tune.load("cpu") == table and "written to" in capsys.readouterr().out
+    # auto now follows the table at the measured cells
+    sp = SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu")
+    for cell in table["cells"]:
+        fastest = min(cell["ms"], key=cell["ms"].get)
+        assert sp.choose(cell["prefix"], [cell["suffix"]] * cell["requests"], 4, 2, 64) == \
+            fastest
+
+
+def _write(table_ms, heads=(16, 8, 128)):
+    tune.save({"device": "cpu", "num_qo_heads": heads[0], "num_kv_heads": heads[1],
+               "head_dim": heads[2], "dtype": "torch.float16",
+               "cells": [{"prefix": 8196, "suffix": 4, "requests": 32, "ms": table_ms},
+                         {"prefix": 96, "suffix": 4, "requests": 2,
+                          "ms": {s: 1.0 for s in STRATEGIES}}]})
+
+
+def test_auto_takes_the_fastest_exact_strategy_of_the_nearest_cell(fresh_tables):
+    _write({"split": 1.0, "ragged": 2.0, "naive": 3.0, "cascade": 4.0, "multi_item": 5.0,
+            "custom_mask": 6.0})
+    causal = SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu")
+    assert causal.choose(6000, [5] * 40, 16, 8, 128) == "split"
+    # a variant reading the request index: split and the packed strategies would change it
+    by_request = ja.Variant("r", mask="causal", score_mod=lambda s, b, h, q, kv: s + b)
+    assert SharedPrefixPrefill(by_request, device="cpu").choose(6000, [5] * 40, 16, 8,
+                                                                128) == "ragged"
+    # another head configuration: the table does not apply, the fitted rule does
+    assert causal.choose(8196, [4] * 32, 32, 8, 128) == "cascade"
+
+
+def test_no_table_means_the_fitted_rule(fresh_tables):
+    assert tune.load("cpu") is None
+    sp = SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu")
+    assert sp.choose(8196, [4] * 32, 16, 8, 128) == "cascade"
