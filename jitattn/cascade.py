@@ -132,7 +132,9 @@ class CascadeDecode(MultiLevelCascade):
     request; needs the prefix to end on a page boundary) or "auto" (plain when the prefix
     bytes the cascade would save take less time to read than the cascade's extra launches
     cost: CASCADE_OVERHEAD_S, DECODE_BYTES_PER_S; the shared-prefix survey in SEEDS_DIGEST.md
-    notes the same trade-off). The choice of the last plan() is in ``chosen``."""
+    notes the same trade-off). The choice of the last plan() is in ``chosen``. A CUDA graph
+    captures the launches of one strategy: to replay it after new plans, fix the strategy
+    ("cascade" or "plain"), since "auto" may switch between them."""
 
     def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD", *,
                  strategy: str = "auto", device="cuda", **capacities):
@@ -169,7 +171,10 @@ class CascadeDecode(MultiLevelCascade):
         if strategy == "auto":
             strategy = self.choose(batch, prefix_len, num_kv_heads, head_dim,
                                    torch.empty(0, dtype=q_dtype).element_size())
-            strategy = strategy if aligned else "cascade"
+            # plain copies the prefix's pages into every request's table: it must fit
+            plain_pages = batch * shared_pages + int(unique_kv_indptr[-1])
+            if not aligned or plain_pages > self.plain.capacity["max_num_pages"]:
+                strategy = "cascade"
         if strategy == "plain":
             if not aligned:
                 raise ValueError(f"strategy 'plain' needs the shared prefix to end on a page "

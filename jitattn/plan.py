@@ -15,7 +15,6 @@ outputs run after run.
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
@@ -141,39 +140,90 @@ def kv_spans(q_len: int, kv_len: int, g: int, row0: int, row_last: int, causal: 
     return [(a, b) for a, b in spans if b > a] or [(lo, lo)]
 
 
-def _chunks(tiles, cap):
-    """Cut each tile's KV range into equal chunks of at most ``cap`` keys (whole 32-key tiles).
-    Returns (length, id, tile index, lo, hi) per chunk."""
-    chunks = []
-    for t, (b, hk, row0, lo, hi) in enumerate(tiles):
-        n = max(1, math.ceil((hi - lo) / cap))
-        step = -(-(hi - lo) // n) if hi > lo else 0
-        step = -(-step // KV_TILE) * KV_TILE if step else 0
-        for s in (range(lo, hi, step) if step else [lo]):
-            end = min(s + step, hi) if step else hi
-            chunks.append((end - s, len(chunks), t, s, end))
-    return chunks
+def _ceil_div(a, b):
+    return -(-a // b)
 
 
-def _partial_rows(chunks, tiles, rows_per_cta) -> int:
-    """Partial-state rows a chunking needs: every chunk of a row tile cut in several."""
-    per_tile = {}
-    for _, _, t, _, _ in chunks:
-        per_tile[tiles[t][:3]] = per_tile.get(tiles[t][:3], 0) + 1
-    return sum(n for n in per_tile.values() if n > 1) * rows_per_cta
+def _tiles(qo_lens, kv_lens, g, rows_per_cta, num_kv_heads, causal, window_left, prefix_lens,
+           max_item_lens) -> dict:
+    """Query tiles and the KV span each can see, as arrays in the order (request, row tile,
+    kv head, span): b, hk, row0, lo, hi, and key, the index of the (b, hk, row0) tile a span
+    belongs to (several with multi-item tile skipping)."""
+    rows = np.asarray(qo_lens, dtype=np.int64) * g
+    per_b = _ceil_div(rows, rows_per_cta)
+    b = np.repeat(np.arange(len(rows)), per_b)
+    row0 = (np.arange(len(b)) - np.repeat(np.cumsum(per_b) - per_b, per_b)) * rows_per_cta
+    if prefix_lens is not None and max_item_lens is not None:  # spans per row tile
+        spans = [kv_spans(int(qo_lens[i]), int(kv_lens[i]), g, int(r),
+                          int(min(r + rows_per_cta, rows[i]) - 1), causal, window_left,
+                          int(prefix_lens[i]), int(max_item_lens[i]))
+                 for i, r in zip(b.tolist(), row0.tolist())]
+        count = np.array([len(x) for x in spans], dtype=np.int64)
+        flat = np.array([s for x in spans for s in x], dtype=np.int64).reshape(-1, 2)
+    else:
+        q, kv = np.asarray(qo_lens, np.int64)[b], np.asarray(kv_lens, np.int64)[b]
+        last = kv - q + (np.minimum(row0 + rows_per_cta, rows[b]) - 1) // g
+        hi = np.minimum(kv, last + 1) if causal else kv
+        lo = np.maximum(0, kv - q + row0 // g - window_left) if window_left is not None \
+            else np.zeros_like(kv)
+        count, flat = np.ones(len(b), np.int64), np.stack([lo, np.maximum(lo, hi)], 1)
+    # expand: every row tile's spans for every kv head (order: tile, head, span)
+    h = num_kv_heads
+    tile_of = np.repeat(np.arange(len(b)), count * h)
+    span_start = np.repeat(np.cumsum(count) - count, count * h)
+    within = np.arange(len(tile_of)) - np.repeat(np.cumsum(count * h) - count * h, count * h)
+    hk, span = within // np.repeat(count, count * h), within % np.repeat(count, count * h)
+    return dict(b=b[tile_of], hk=hk, row0=row0[tile_of], lo=flat[span_start + span, 0],
+                hi=flat[span_start + span, 1], key=tile_of * h + hk)
 
 
-def _assign(chunks, num_ctas, item_cost, key_cost):
-    """Longest chunk first onto the least-loaded CTA (ties: lowest CTA id); cost of a chunk is
-    item_cost + key_cost * keys. Returns (per-CTA lists, makespan)."""
-    heap = [(0.0, c) for c in range(num_ctas)]
-    assigned = [[] for _ in range(num_ctas)]
-    for length, cid, t, lo, hi in sorted(chunks, key=lambda c: (-c[0], c[1])):
-        load, cta = heapq.heappop(heap)
-        cost = item_cost + key_cost * length
-        assigned[cta].append((cid, t, lo, hi, cost))
-        heapq.heappush(heap, (load + cost, cta))
-    return assigned, max(load for load, _ in heap)
+def _chunks(tiles: dict, cap: int) -> dict:
+    """Cut each span into equal chunks of at most ``cap`` keys (whole 32-key tiles); arrays
+    tile (index of the span), lo, hi, in span order."""
+    length = tiles["hi"] - tiles["lo"]
+    n = np.maximum(1, _ceil_div(length, cap))
+    step = np.where(length > 0, _ceil_div(_ceil_div(length, n), KV_TILE) * KV_TILE, 0)
+    count = np.where(step > 0, _ceil_div(length, np.maximum(step, 1)), 1)
+    tile = np.repeat(np.arange(len(length)), count)
+    j = np.arange(len(tile)) - np.repeat(np.cumsum(count) - count, count)
+    lo = tiles["lo"][tile] + j * step[tile]
+    hi = np.where(step[tile] > 0, np.minimum(lo + step[tile], tiles["hi"][tile]),
+                  tiles["hi"][tile])
+    return dict(tile=tile, lo=lo, hi=hi)
+
+
+def _split_keys(tiles: dict, chunks: dict) -> np.ndarray:
+    """Per chunk: whether its (b, hk, row0) tile has more than one chunk (writes partials)."""
+    key = tiles["key"][chunks["tile"]]
+    return np.bincount(key, minlength=int(tiles["key"].max(initial=-1)) + 1)[key] > 1
+
+
+def _assign(costs: np.ndarray, num_ctas: int):
+    """Longest (costliest) chunk first onto the least-loaded CTA, ties by lowest chunk id and
+    lowest CTA id. Equal-cost chunks are placed a round at a time: every CTA whose load is
+    below the minimum plus that cost takes one, in (load, id) order, exactly as one by one.
+    Returns (cta of each chunk, processing order of each chunk, makespan)."""
+    order = np.lexsort((np.arange(len(costs)), -costs))
+    loads = np.zeros(num_ctas)
+    cta = np.empty(len(costs), dtype=np.int64)
+    bounds = np.flatnonzero(np.diff(costs[order])) + 1
+    for group in np.split(order, bounds):
+        if not len(group):
+            continue
+        c, pos = costs[group[0]], 0
+        if len(group) == 1:  # the least-loaded CTA, lowest id first
+            cta[group[0]] = best = int(np.argmin(loads))
+            loads[best] += c
+            continue
+        while pos < len(group):
+            ready = np.flatnonzero(loads < loads.min() + c)
+            ready = ready[np.lexsort((ready, loads[ready]))][:len(group) - pos]
+            cta[group[pos:pos + len(ready)]] = ready
+            loads[ready] += c
+            pos += len(ready)
+    rank = np.empty(len(costs), dtype=np.int64)
+    rank[order] = np.arange(len(costs))
+    return cta, rank, float(loads.max(initial=0.0))
 
 
 def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: int,
@@ -190,7 +240,8 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
     multi-item spans still need more, row tiles are not cut into spans)."""
     g = num_qo_heads // num_kv_heads
     batch = len(qo_lens)
-    q_starts = np.concatenate([[0], np.cumsum(qo_lens)[:-1]]) if batch else np.zeros(0)
+    q_starts = np.concatenate([[0], np.cumsum(qo_lens)[:-1]]).astype(np.int64) if batch \
+        else np.zeros(0, np.int64)
     requests = np.zeros((batch, REQUEST_FIELDS), dtype=np.int32)
     if batch:
         requests[:, 0], requests[:, 1] = q_starts, qo_lens
@@ -199,27 +250,15 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
             if values is not None:
                 requests[:, col] = values
 
-    # query tiles and the KV spans each can see (one tile per span)
-    def make_tiles(skip: bool):
-        tiles = []  # (request, kv_head, row0, lo, hi)
-        for b in range(batch):
-            rows = int(qo_lens[b]) * g
-            multi = skip and prefix_lens is not None and max_item_lens is not None
-            for row0 in range(0, rows, rows_per_cta):
-                spans = kv_spans(int(qo_lens[b]), int(kv_lens[b]), g, row0,
-                                 min(row0 + rows_per_cta, rows) - 1, causal, window_left,
-                                 int(prefix_lens[b]) if multi else None,
-                                 int(max_item_lens[b]) if multi else None)
-                for hk in range(num_kv_heads):
-                    for lo, hi in spans:
-                        tiles.append((b, hk, row0, lo, hi))
-        return tiles
+    def make_tiles(skip: bool) -> dict:
+        return _tiles(qo_lens, kv_lens, g, rows_per_cta, num_kv_heads, causal, window_left,
+                      prefix_lens if skip else None, max_item_lens if skip else None)
 
     tiles = make_tiles(skip=True)
     # KV chunk cap: ceil(W / (k C)), with k (chunks per CTA on average) chosen by predicting
     # the makespan of each candidate; k = 1 is the paper's rule, larger k evens out the waves
     # when tiles are about as long as W / C
-    total = sum(hi - lo for *_, lo, hi in tiles)
+    total = int((tiles["hi"] - tiles["lo"]).sum())
     best = None
     for k in ((1, 2, 3, 4, 6, 8) if split_kv else ()) + (None,):
         if k is None and best is not None:
@@ -227,54 +266,55 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
         cap = 1 << 30 if k is None else max(1, math.ceil(total / max(1, num_ctas * k)))
         cap = -(-cap // KV_TILE) * KV_TILE
         chunks = _chunks(tiles, cap)
-        if max_partial_rows is not None and \
-                _partial_rows(chunks, tiles, rows_per_cta) > max_partial_rows:
+        split = _split_keys(tiles, chunks)
+        if max_partial_rows is not None and int(split.sum()) * rows_per_cta > max_partial_rows:
             if k is not None:
                 continue  # would not fit the workspace
             # multi-item tile skipping cuts a row tile into spans that are merged like splits;
             # when even those do not fit, each row tile takes one span (the mask skips keys)
             tiles = make_tiles(skip=False)
             chunks = _chunks(tiles, cap)
-        assigned, makespan = _assign(chunks, num_ctas, alpha * rows_per_cta, beta)
+            split = _split_keys(tiles, chunks)
+        costs = alpha * rows_per_cta + beta * (chunks["hi"] - chunks["lo"]).astype(np.float64)
+        if best is not None and max(costs.max(initial=0.0), costs.sum() / num_ctas) >= \
+                best[0] - 1e-9:
+            continue  # its lower bound already loses to the best makespan
+        cta, rank, makespan = _assign(costs, num_ctas)
         if best is None or makespan < best[0] - 1e-9:
-            best = (makespan, cap, chunks, assigned)
-    _, cap, chunks, assigned = best
+            best = (makespan, cap, chunks, split, costs, cta, rank)
+    _, cap, chunks, split, costs, cta, rank = best
 
-    # partial rows for row tiles whose keys are cut into several chunks (or spans)
-    per_tile = {}  # (request, kv_head, row0) -> chunk spans
-    for _, _, t, lo, hi in chunks:
-        per_tile.setdefault(tiles[t][:3], []).append((lo, hi))
-    partial_of = {}  # (request, kv_head, row0, lo) -> first partial row
-    next_row = 0
-    for key, spans in per_tile.items():
-        if len(spans) > 1:
-            for lo, _ in spans:
-                partial_of[(*key, lo)] = next_row
-                next_row += rows_per_cta
+    # partial rows: consecutive blocks of rows_per_cta for the chunks of split tiles, in chunk
+    # order (a tile's chunks are adjacent and in KV order)
+    partial = np.where(split, (np.cumsum(split) - 1) * rows_per_cta, -1)
+    t = chunks["tile"]
+    order = np.lexsort((rank, cta))  # items grouped by CTA, in the order they were placed
+    items = np.zeros((len(order), ITEM_FIELDS), dtype=np.int64)
+    items[:, 0], items[:, 1] = tiles["b"][t][order], tiles["hk"][t][order]
+    items[:, 2], items[:, 3] = tiles["row0"][t][order], chunks["lo"][order]
+    items[:, 4], items[:, 5] = chunks["hi"][order], partial[order]
+    cta_indptr = np.concatenate([[0], np.cumsum(np.bincount(cta, minlength=num_ctas))])
 
-    items, costs, cta_indptr = [], [], [0]
-    for cta in range(num_ctas):
-        for cid, t, lo, hi, cost in assigned[cta]:
-            b, hk, row0, _, _ = tiles[t]
-            items.append((b, hk, row0, lo, hi, partial_of.get((b, hk, row0, lo), -1), 0, 0))
-            costs.append(cost)
-        cta_indptr.append(len(items))
-
-    merge_indptr, merge_rows, merge_slots = [0], [], []
-    for (b, hk, row0), spans in per_tile.items():
-        if len(spans) < 2:
-            continue
-        rows = int(qo_lens[b]) * g
-        for r in range(row0, min(row0 + rows_per_cta, rows)):
-            token = int(q_starts[b]) + r // g
-            merge_rows.append(token * num_qo_heads + hk * g + r % g)
-            merge_slots += [partial_of[(b, hk, row0, lo)] + (r - row0) for lo, _ in sorted(spans)]
-            merge_indptr.append(len(merge_slots))
+    # merge map: every row of a split tile merges its chunks' partial rows in KV order
+    first = np.flatnonzero(split & np.concatenate([[True], tiles["key"][t][1:] !=
+                                                   tiles["key"][t][:-1]]))
+    n_chunks = np.bincount(tiles["key"][t], minlength=int(tiles["key"].max(initial=-1)) + 1)
+    kb, khk, krow0 = tiles["b"][t][first], tiles["hk"][t][first], tiles["row0"][t][first]
+    kn, kbase = n_chunks[tiles["key"][t][first]], partial[first]
+    nrows = np.minimum(rows_per_cta, np.asarray(qo_lens, np.int64)[kb] * g - krow0)
+    mk = np.repeat(np.arange(len(first)), nrows)                  # merged row -> split tile
+    r = krow0[mk] + np.arange(len(mk)) - np.repeat(np.cumsum(nrows) - nrows, nrows)
+    merge_rows = (q_starts[kb[mk]] + r // g) * num_qo_heads + khk[mk] * g + r % g
+    slots_per = kn[mk]
+    sm = np.repeat(np.arange(len(mk)), slots_per)                 # slot -> merged row
+    i = np.arange(len(sm)) - np.repeat(np.cumsum(slots_per) - slots_per, slots_per)
+    merge_slots = kbase[mk][sm] + i * rows_per_cta + (r - krow0[mk])[sm]
+    merge_indptr = np.concatenate([[0], np.cumsum(slots_per)])
 
     as_i32 = lambda x, shape=(-1,): np.asarray(x, dtype=np.int32).reshape(shape)  # noqa: E731
     return Plan(requests=requests, items=as_i32(items, (-1, ITEM_FIELDS)),
                 cta_indptr=as_i32(cta_indptr), merge_indptr=as_i32(merge_indptr),
                 merge_rows=as_i32(merge_rows), merge_slots=as_i32(merge_slots),
-                item_cost=np.asarray(costs, dtype=np.float64), num_ctas=num_ctas,
-                rows_per_cta=rows_per_cta, group_size=g, num_partial_rows=next_row,
-                chunk_cap=cap)
+                item_cost=costs[order], num_ctas=num_ctas,
+                rows_per_cta=rows_per_cta, group_size=g,
+                num_partial_rows=int(split.sum()) * rows_per_cta, chunk_cap=cap)

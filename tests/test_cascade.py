@@ -162,3 +162,17 @@ def test_auto_takes_plain_decode_when_the_prefix_is_short():
     with pytest.raises(ValueError, match="page boundary"):
         ja.CascadeDecode(variant, page_size=page_size, strategy="plain",
                          device="cpu").plan(*partial)
+
+
+def test_auto_keeps_the_cascade_when_plain_tables_would_not_fit():
+    """Plain decode repeats the prefix's pages in every request's table; with a page capacity
+    sized for the cache, "auto" stays on the cascade instead of failing."""
+    variant = ja.Variant("plain")
+    i32 = dict(dtype=torch.int32)
+    batch, prefix_pages = 8, 6
+    args = (torch.arange(prefix_pages, **i32), 4, torch.arange(batch + 1, **i32),
+            torch.arange(prefix_pages, prefix_pages + batch, **i32), torch.full((batch,), 2, **i32),
+            4, 2, 64)
+    cd = ja.CascadeDecode(variant, page_size=4, device="cpu", max_num_pages=20)
+    assert cd.choose(batch, prefix_pages * 4, 2, 64) == "plain"
+    assert cd.plan(*args) == "cascade"

@@ -97,3 +97,25 @@ def test_multi_item_spans_fall_back_to_whole_tiles_when_the_workspace_is_small()
     for b, hk, row0, lo, hi, partial, _, _ in whole.items.tolist():
         assert (lo, hi) == kv_window(300, 300, 2, row0, min(row0 + 16, 600) - 1, True, None)
         assert partial == -1
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_round_placement_equals_one_by_one_lpt(seed):
+    """_assign places equal-cost chunks a round at a time; the result must be exactly the
+    sequential rule: longest first (ties: lower chunk id) onto the least-loaded CTA (ties:
+    lower CTA id)."""
+    import heapq
+
+    from jitattn.plan import _assign
+    rng = np.random.default_rng(seed)
+    costs = rng.choice([16.0, 48.0, 100.0, 300.0, 301.0], size=int(rng.integers(1, 400)))
+    num_ctas = int(rng.integers(1, 60))
+    cta, rank, makespan = _assign(costs, num_ctas)
+    heap, want = [(0.0, c) for c in range(num_ctas)], np.empty(len(costs), dtype=np.int64)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, c = heapq.heappop(heap)
+        want[i] = c
+        heapq.heappush(heap, (load + costs[i], c))
+    assert np.array_equal(cta, want)
+    assert makespan == max(load for load, _ in heap)
+    assert sorted(rank) == list(range(len(costs)))

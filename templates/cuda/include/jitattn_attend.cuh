@@ -220,7 +220,7 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
           float x = Variant::score_mod(p, vrow[mt][e / 2], s[mt][n][e] * a.sm_scale, w.b, r.h,
                                        r.q_pos, kv_idx);
           if (!whole) {
-            bool vis = kv_idx < range.y;
+            bool vis = r.valid && kv_idx < range.y;  // padding rows read no mask data
             if (Variant::CAUSAL) vis = vis && kv_idx <= r.q_pos;
             if (Variant::WINDOW_LEFT >= 0) vis = vis && r.q_pos - kv_idx <= Variant::WINDOW_LEFT;
             vis = vis && data_mask(req, a.mask, r.qi, r.q_pos, kv_idx);
