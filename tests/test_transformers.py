@@ -96,3 +96,34 @@ def test_masks_that_are_not_padding_are_refused():
         jitattn_attention_forward(module, q, q, q, packed)
     with pytest.raises(ValueError, match="dropout"):
         jitattn_attention_forward(module, q, q, q, None, dropout=0.1)
+
+
+def test_gemma2_soft_cap_and_sliding_window_from_the_config(monkeypatch):
+    """Gemma 2's attention: logit soft-cap 50 and a 16-token sliding window on every other
+    layer, taken from what the model passes; prefill and a decode step past the window."""
+    import jitattn.integrations.transformers as integration
+    variants = []
+    real_attention = integration.ja.attention
+    monkeypatch.setattr(integration.ja, "attention",
+                        lambda *a, **k: variants.append(a[3]) or real_attention(*a, **k))
+    name = register()
+    config = transformers.Gemma2Config(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=16,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=64,
+        max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config).to(torch.float16).eval()
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))
+    nxt = ids[:, -1:]
+    logits = {}
+    with torch.inference_mode():
+        for attn in ("eager", name):
+            model.config._attn_implementation = attn
+            pre = model(ids, use_cache=True)
+            step = model(nxt, past_key_values=pre.past_key_values, use_cache=True)
+            logits[attn] = (pre.logits, step.logits)
+    for ours, eager in zip(logits[name], logits["eager"]):
+        torch.testing.assert_close(ours, eager, atol=2e-2, rtol=2e-2)
+    windows = [(v.window_left, v.score is not None) for v in variants]
+    assert windows == [(15, True), (None, True)] * 2  # sliding then global layer, both capped
