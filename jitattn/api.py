@@ -57,11 +57,12 @@ def _check_qkv(q, k, v) -> None:
 
 def _host_indptr(name: str, indptr, total: int) -> list[int]:
     if not isinstance(indptr, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(indptr).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got "
+                        f"{type(indptr).__name__}")
     if indptr.dim() != 1 or indptr.numel() < 1:
         raise ValueError(f"{name} must be 1-D [batch_size + 1], got shape {tuple(indptr.shape)}")
     if indptr.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} has dtype {indptr.dtype}; expected torch.int32")
+        raise TypeError(f"{name} has dtype {indptr.dtype}; expected torch.int32 or torch.int64")
     host = [int(x) for x in indptr.tolist()]
     if host[0] != 0:
         raise ValueError(f"{name}[0] is {host[0]}; expected 0")

@@ -40,6 +40,23 @@ def _check_indptr(name: str, x: np.ndarray) -> None:
                          f"{name}[{i + 1}] = {x[i + 1]}")
 
 
+def resolve_device(device) -> torch.device:
+    """The wrappers' device: None picks the current CUDA device when there is one, else the
+    CPU backend. Raises ValueError for a CUDA device on a machine without CUDA."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r}: CUDA is not available to this torch "
+                             f"({torch.__version__}); pass device='cpu' for the CPU backend")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"device={str(device)!r}: expected a cuda device or 'cpu'")
+    return device
+
+
 class BatchPrefill:
     """Prefill (any number of queries per request) over a paged KV cache, for one Variant.
 
@@ -47,7 +64,8 @@ class BatchPrefill:
     (pages [page_size, num_kv_heads, head_dim]), "HND" ([num_kv_heads, page_size, head_dim]),
     or "ragged": no pages, k / v [total_kv, num_kv_heads, head_dim] with kv_indptr over tokens
     (plan() then takes kv_indices=None, kv_last_page_len=None; page_size is ignored).
-    device: where run() will be called ("cuda", "cuda:1" or "cpu").
+    device: where run() will be called ("cuda", "cuda:1" or "cpu"; default: the current CUDA
+        device when there is one, else the CPU backend).
     Capacities of the device workspace, fixed for the wrapper's life (plan() raises ValueError
     when a batch needs more): max_batch_size requests, max_num_pages entries in kv_indices,
     max_work_items scheduled items, max_partial_rows split-KV partial states, max_mask_bytes
@@ -59,7 +77,7 @@ class BatchPrefill:
     _kind = "prefill"
 
     def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD", *,
-                 device="cuda", max_batch_size: int = 4096, max_num_pages: int = 1 << 20,
+                 device=None, max_batch_size: int = 4096, max_num_pages: int = 1 << 20,
                  max_work_items: int = 1 << 16, max_partial_rows: int = 1 << 14,
                  max_mask_bytes: int = 1 << 24, max_item_tokens: int = 1 << 20,
                  split_kv: bool = True):
@@ -70,9 +88,7 @@ class BatchPrefill:
         if kv_layout not in LAYOUTS:
             raise ValueError(f"kv_layout={kv_layout!r}: expected one of {LAYOUTS}")
         self.variant, self.page_size, self.kv_layout = variant, page_size, kv_layout
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(device)
         self.split_kv = split_kv
         self.capacity = dict(max_batch_size=max_batch_size, max_num_pages=max_num_pages,
                              max_work_items=max_work_items, max_partial_rows=max_partial_rows,

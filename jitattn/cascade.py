@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from .batch import BatchDecode, BatchPrefill
+from .batch import BatchDecode, BatchPrefill, resolve_device
 from .merge import merge_states
 from .shared_prefix import check_strategy
 from .spec import Variant
@@ -28,7 +28,7 @@ class MultiLevelCascade:
     layer. page_size, kv_layout, device and capacities as for BatchPrefill."""
 
     def __init__(self, variant: Variant, num_levels: int, page_size: int = 16,
-                 kv_layout: str = "NHD", *, device="cuda", **capacities):
+                 kv_layout: str = "NHD", *, device=None, **capacities):
         if not isinstance(variant, Variant):
             raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
         if isinstance(num_levels, bool) or not isinstance(num_levels, int) or num_levels < 1:
@@ -38,7 +38,7 @@ class MultiLevelCascade:
                              f"{variant.mask!r}")
         check_strategy(variant, "cascade")
         shared = dataclasses.replace(variant, mask="none")
-        self.variant, self.device, self.page_size = variant, torch.device(device), page_size
+        self.variant, self.device, self.page_size = variant, resolve_device(device), page_size
         self.levels = [BatchPrefill(shared if i < num_levels - 1 else variant,
                                     page_size=page_size, kv_layout=kv_layout, device=device,
                                     **capacities) for i in range(num_levels)]
@@ -137,7 +137,7 @@ class CascadeDecode(MultiLevelCascade):
     ("cascade" or "plain"), since "auto" may switch between them."""
 
     def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD", *,
-                 strategy: str = "auto", device="cuda", **capacities):
+                 strategy: str = "auto", device=None, **capacities):
         if strategy not in ("auto", "cascade", "plain"):
             raise ValueError(f"strategy={strategy!r}: expected 'auto', 'cascade' or 'plain'")
         super().__init__(variant, 2, page_size, kv_layout, device=device, **capacities)

@@ -73,7 +73,7 @@ def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = 
     path = cache.load(key, binary)
     if path is not None:
         if env.debug_level() >= 1:
-            log.info("cache hit %s", key)
+            _say(f"cache hit {key}")
         return path, False
     with cache.lock(key):
         path = cache.load(key, binary)  # another process may have built it while we waited

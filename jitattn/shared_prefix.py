@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import tune
-from .batch import BatchPrefill
+from .batch import BatchPrefill, resolve_device
 from .merge import merge_state_in_place
 from .prefix import multi_item_metadata
 from .render import tiles_for
@@ -102,12 +102,12 @@ def _indptr(lens) -> torch.Tensor:
 class SharedPrefixPrefill:
     """Prefill M requests that share a P-token prefix, with one of STRATEGIES.
 
-    variant: a causal Variant. strategy: one of STRATEGIES or "auto" (see choose(): a rule
-    fitted to the grid measured on the H200; a per-GPU calibrated cost model is future work).
-    device, **capacities: as for BatchPrefill.
+    variant: a causal Variant. strategy: one of STRATEGIES or "auto" (see choose(): the table
+    `jitattn tune` measured on this device, else a rule fitted to the grid measured on the
+    H200). device, **capacities: as for BatchPrefill.
     """
 
-    def __init__(self, variant: Variant, strategy: str = "auto", *, device="cuda",
+    def __init__(self, variant: Variant, strategy: str = "auto", *, device=None,
                  **capacities):
         if not isinstance(variant, Variant):
             raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
@@ -118,7 +118,7 @@ class SharedPrefixPrefill:
             raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES + ('auto',)}")
         if strategy != "auto":
             check_strategy(variant, strategy)
-        self.variant, self.strategy, self.device = variant, strategy, torch.device(device)
+        self.variant, self.strategy, self.device = variant, strategy, resolve_device(device)
         self._capacities = capacities
         self._wrappers: dict = {}
         self._steps: list = []

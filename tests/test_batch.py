@@ -254,3 +254,11 @@ def test_workspace_views_are_16_byte_aligned():
     w.plan(kv_indptr, kv_indices, last, 4, 2, 64)
     for name in w._ws["views"]:
         assert w._view(name).data_ptr() % 16 == 0, name
+
+
+def test_device_defaults_to_what_the_machine_has():
+    w = ja.BatchDecode(ja.Variant("plain"))
+    assert w.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda'.*device='cpu'"):
+            ja.BatchPrefill(ja.Variant("plain"), device="cuda")

@@ -134,3 +134,15 @@ def test_cache_ls_and_clear(fresh_cache):
     cache = Cache()
     assert [e["key"] for e in cache.entries()] == [jit.cache_key(_src(), None)]
     assert cache.clear() == 1 and cache.entries() == []
+
+
+def test_debug_level_1_reports_cache_hits_in_a_fresh_process(private_cache):
+    """JITATTN_DEBUG=1 logs cache hits even when nothing compiles in that process."""
+    script = ("import torch, jitattn as ja\n"
+              "q = torch.randn(3, 2, 64).half()\n"
+              "ja.attention(q, q, q, ja.Variant('debug_hits'))\n")
+    env = dict(os.environ, JITATTN_CACHE_DIR=str(private_cache))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True)
+    hit = subprocess.run([sys.executable, "-c", script], env=dict(env, JITATTN_DEBUG="1"),
+                         check=True, capture_output=True, text=True)
+    assert "cache hit debug_hits" in hit.stderr

@@ -127,3 +127,10 @@ def test_gemma2_soft_cap_and_sliding_window_from_the_config(monkeypatch):
         torch.testing.assert_close(ours, eager, atol=2e-2, rtol=2e-2)
     windows = [(v.window_left, v.score is not None) for v in variants]
     assert windows == [(15, True), (None, True)] * 2  # sliding then global layer, both capped
+
+
+def test_a_float32_model_gets_a_clear_error():
+    from jitattn.integrations.transformers import jitattn_attention_forward
+    q = torch.randn(1, 4, 5, 64)
+    with pytest.raises(TypeError, match="float16 or bfloat16: load or cast the model"):
+        jitattn_attention_forward(torch.nn.Module(), q, q, q, None)

@@ -105,6 +105,10 @@ def jitattn_attention_forward(module, query, key, value, attention_mask, dropout
     None). Raises ValueError for dropout or a mask that is not padding-shaped."""
     if dropout:
         raise ValueError(f"dropout={dropout}: jitattn is for inference (dropout 0)")
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"the model runs attention in {query.dtype}; jitattn's kernels take "
+                        f"float16 or bfloat16: load or cast the model to one of them (e.g. "
+                        f"from_pretrained(..., dtype=torch.bfloat16) or model.half())")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     variant = variant_for(bool(causal), sliding_window, softcap)
     batch, hq, q_len, d = query.shape
