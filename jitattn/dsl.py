@@ -65,6 +65,11 @@ class TensorParam:
     shape: tuple
     dtype: torch.dtype
     captured: torch.Tensor | None = None
+    label: str | None = None  # a captured tensor's Python name, for messages (not the key)
+
+    @property
+    def display(self) -> str:
+        return f"{self.label} ({self.name})" if self.label else self.name
 
     @property
     def signature(self) -> str:
@@ -297,6 +302,7 @@ def where(cond, a, b) -> Expr:
 class _Tracer:
     prefix: str = "captured"
     captured: list = field(default_factory=list)
+    names: dict = field(default_factory=dict)  # id(tensor) -> the Python name it was found by
 
     def capture(self, t: torch.Tensor) -> TensorParam:
         for p in self.captured:
@@ -306,9 +312,31 @@ class _Tracer:
             raise SpecError(f"captured tensor of dtype {t.dtype} and shape {tuple(t.shape)} "
                             f"cannot be indexed in a variant; expected one of "
                             f"{list(dtypes.FROM_NAME)} with at least one dimension")
-        p = TensorParam(f"{self.prefix}{len(self.captured)}", tuple(t.shape), t.dtype, t)
+        p = TensorParam(f"{self.prefix}{len(self.captured)}", tuple(t.shape), t.dtype, t,
+                        label=self.names.get(id(t)))
         self.captured.append(p)
         return p
+
+
+def _tensor_names(fn) -> dict:
+    """id(tensor) -> name for the tensors fn reaches by closure or as globals, so that errors
+    about a captured tensor use the user's name for it."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    found = {}
+    for var, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), var)
+    for var in code.co_names:
+        value = getattr(fn, "__globals__", {}).get(var)
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), var)
+    return found
 
 
 _TRACER = _Tracer()
@@ -347,7 +375,8 @@ def trace(fn, kind: str) -> Traced:
     except ValueError:
         pass  # builtins without signatures: try the call
     args = [Expr("sym", (n,), "float" if n == "score" else "int") for n in names]
-    outer, _TRACER = _TRACER, _Tracer(prefix=kind.split("_")[0] + "_captured")
+    outer, _TRACER = _TRACER, _Tracer(prefix=kind.split("_")[0] + "_captured",
+                                      names=_tensor_names(fn))
     try:
         src = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
     except (OSError, TypeError):

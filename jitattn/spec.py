@@ -223,34 +223,36 @@ class Variant:
                 continue
             t = p.captured if p.captured is not None else params[p.name]
             what = "captured tensor" if p.captured is not None else "parameter"
+            shown = p.display
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{what} {p.name!r} must be a torch.Tensor, got "
+                raise TypeError(f"{what} {shown!r} must be a torch.Tensor, got "
                                 f"{type(t).__name__}")
             want = tuple(sizes[s] if isinstance(s, str) else s for s in p.shape)
             if tuple(t.shape) != want:
-                raise ValueError(f"{what} {p.name!r} has shape {tuple(t.shape)}, expected "
+                raise ValueError(f"{what} {shown!r} has shape {tuple(t.shape)}, expected "
                                  f"{want} (declared {p.shape})")
             if 0 in t.shape:
-                raise ValueError(f"{what} {p.name!r} has an empty dimension (shape "
+                raise ValueError(f"{what} {shown!r} has an empty dimension (shape "
                                  f"{tuple(t.shape)})")
             if t.dtype != p.dtype:
-                raise TypeError(f"{what} {p.name!r} has dtype {t.dtype}, expected {p.dtype}")
+                raise TypeError(f"{what} {shown!r} has dtype {t.dtype}, expected {p.dtype}")
             if t.device != device:
-                raise ValueError(f"{what} {p.name!r} is on {t.device}, expected {device} "
+                raise ValueError(f"{what} {shown!r} is on {t.device}, expected {device} "
                                  f"(the device of q)")
             if not t.is_contiguous():
-                raise ValueError(f"{what} {p.name!r} must be contiguous (strides "
+                raise ValueError(f"{what} {shown!r} must be contiguous (strides "
                                  f"{t.stride()})")
             bound[p.name] = t
         extent = {"b": sizes["batch_size"], "h": sizes["num_qo_heads"],
                   "q_idx": sizes["kv_len"], "kv_idx": sizes["kv_len"]}
+        shown = {p.name: p.display for p in self._params if isinstance(p, TensorParam)}
         for name, dim, sym in self._direct_index:
             t = bound[name]
             if t.shape[dim] < extent[sym]:
                 raise ValueError(
-                    f"tensor {name!r} (shape {tuple(t.shape)}) is indexed by {sym} in dimension "
-                    f"{dim}, which reaches {extent[sym] - 1}, but that dimension has only "
-                    f"{t.shape[dim]} entries")
+                    f"tensor {shown.get(name, name)!r} (shape {tuple(t.shape)}) is indexed by "
+                    f"{sym} in dimension {dim}, which reaches {extent[sym] - 1}, but that "
+                    f"dimension has only {t.shape[dim]} entries")
         return bound
 
     def describe(self) -> str:

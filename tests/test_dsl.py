@@ -65,6 +65,7 @@ def test_captured_torch_tensor_becomes_runtime_param():
     t = trace_score(mod)
     (p,) = dsl.params_of(t.expr)
     assert p.captured is table and p.shape == (4, 9) and p.name == "score_captured0"
+    assert p.display == "table (score_captured0)"  # the user's name, in messages
 
 
 def test_mask_mod_must_return_bool():

@@ -90,3 +90,12 @@ def test_bad_out_buffer():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="out is"):
         ja.attention(q, k, v, V, out=torch.empty(10, 8, 32, dtype=f16))
+
+
+def test_a_captured_tensor_too_short_for_its_index_is_named_by_its_variable():
+    bad = torch.randn(5)
+    variant = ja.Variant("short_table", score_mod=lambda s, b, h, q, kv: s + bad[q])
+    q = torch.randn(20, 2, 64).half()
+    with pytest.raises(ValueError, match=r"tensor 'bad \(score_captured0\)' .* indexed by "
+                                         r"q_idx .* reaches 19, .* only 5 entries"):
+        ja.attention(q, q, q, variant)
