@@ -20,7 +20,7 @@ import os
 import numpy as np
 import torch
 
-from . import dtypes, jit, launch
+from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
 from .plan import ITEM_FIELDS, REQUEST_FIELDS, Plan, make_plan
 from .render import HEAD_DIMS, tiles_for
@@ -89,6 +89,7 @@ class BatchPrefill:
             raise ValueError(f"kv_layout={kv_layout!r}: expected one of {LAYOUTS}")
         self.variant, self.page_size, self.kv_layout = variant, page_size, kv_layout
         self.device = resolve_device(device)
+        self._handle = ops.register_wrapper(self)  # torch.compile: the op finds us by it
         self.split_kv = split_kv
         self.capacity = dict(max_batch_size=max_batch_size, max_num_pages=max_num_pages,
                              max_work_items=max_work_items, max_partial_rows=max_partial_rows,
@@ -351,6 +352,9 @@ class BatchPrefill:
         are the longest request). Returns out, or (out, lse) with lse float32 natural log;
         rows that see no key give out 0 and lse -inf. Raises before any launch on bad input.
         """
+        if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
+            o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2)
+            return _into(o, s, out, lse, return_lse)
         k_cache, v_cache = self._split_cache(kv_cache)
         self._check_run(q, k_cache, v_cache)
         pl, plan, ws = self._planned, self._plan, self._ws
@@ -381,6 +385,24 @@ class BatchPrefill:
                              num_merged_dev=self._view("merge_count"),
                              grid_ctas=plan.num_ctas)
         return (out, lse) if return_lse else out
+
+    def _run_eager(self, q, inputs, params):
+        """run() for the wrapper_run op (ops.py): inputs are the cache tensor(s)."""
+        return self.run(q, inputs[0] if len(inputs) == 1 else tuple(inputs), return_lse=True,
+                        **params)
+
+
+def _cache_tensors(kv_cache) -> list:
+    return list(kv_cache) if isinstance(kv_cache, (tuple, list)) else [kv_cache]
+
+
+def _into(o, s, out, lse, return_lse: bool):
+    """The op's fresh outputs, copied into the caller's buffers when given."""
+    if out is not None:
+        o = out.copy_(o)
+    if lse is not None:
+        s = lse.copy_(s)
+    return (o, s) if return_lse else o
 
 
 class BatchDecode(BatchPrefill):

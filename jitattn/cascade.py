@@ -17,7 +17,8 @@ import dataclasses
 
 import torch
 
-from .batch import BatchDecode, BatchPrefill, resolve_device
+from . import ops
+from .batch import BatchDecode, BatchPrefill, _cache_tensors, resolve_device
 from .merge import merge_states
 from .shared_prefix import check_strategy
 from .spec import Variant
@@ -43,6 +44,7 @@ class MultiLevelCascade:
                                     page_size=page_size, kv_layout=kv_layout, device=device,
                                     **capacities) for i in range(num_levels)]
         self._rows: list | None = None
+        self._handle = ops.register_wrapper(self)  # torch.compile: the op finds us by it
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, *, q_rows=None, q_dtype=torch.float16,
@@ -88,6 +90,9 @@ class MultiLevelCascade:
         level covers get out 0, lse -inf. Each level writes its state into one slab of a
         [levels, total_q, ...] buffer (consecutive rows in place, without copies), and one
         merge combines the slabs."""
+        if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
+            o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2)
+            return (o, s) if return_lse else o
         if self._rows is None:
             raise RuntimeError("MultiLevelCascade.run() called before plan()")
         if q.shape[0] < self._min_rows:
@@ -109,6 +114,12 @@ class MultiLevelCascade:
                     q[rows].contiguous(), kv_cache, return_lse=True, **params)
         out, lse = merge_states(o_levels, lse_levels, reduction=self.variant.reduction)
         return (out, lse) if return_lse else out
+
+
+    def _run_eager(self, q, inputs, params):
+        """run() for the wrapper_run op (ops.py): inputs are the cache tensor(s)."""
+        return self.run(q, inputs[0] if len(inputs) == 1 else tuple(inputs), return_lse=True,
+                        **params)
 
 
 def _count(rows) -> int:
@@ -216,6 +227,6 @@ class CascadeDecode(MultiLevelCascade):
     def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False, **params):
         """Attention of q [batch, heads, head_dim] over the shared prefix and each request's
         own pages (see MultiLevelCascade.run)."""
-        if self.chosen == "plain":
+        if self.chosen == "plain" and not torch.compiler.is_compiling():
             return self.plain.run(q, kv_cache, return_lse=return_lse, **params)
         return super().run(q, kv_cache, return_lse=return_lse, **params)

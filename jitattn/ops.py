@@ -1,16 +1,21 @@
 """torch.library custom ops for jitattn's entry points, so that torch.compile(fullgraph=True)
 traces a model that calls jitattn without graph breaks.
 
-One op is registered per variant (the variant's code and captured tensors are fixed by the op;
-its runtime parameters are op arguments), with a fake implementation that only produces output
-shapes. ``jitattn.attention`` routes through the op while torch.compile traces; eagerly it runs
-directly.
+``jitattn.attention``: one op per variant (the variant's code and captured tensors are fixed by
+the op; its runtime parameters are op arguments). The planned wrappers (BatchPrefill,
+BatchDecode, SharedPrefixPrefill, the cascades): one op, ``jitattn::wrapper_run``, that calls
+the run() of the wrapper named by an integer handle, so the graph holds the handle and the
+wrapper's current plan is used at every call (re-planning needs no recompile). Each op has a
+fake implementation that only produces output shapes. While torch.compile traces, the entry
+points route through the ops; eagerly they run directly.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
+import weakref
 
 import torch
 
@@ -77,3 +82,49 @@ def attention_traced(q, k, v, variant, *, qo_indptr, kv_indptr, sm_scale, return
     out, lse = variant._attention_op(q, k, v, qo_indptr, kv_indptr, float(sm_scale), tensors,
                                      scalars)
     return (out, lse) if return_lse else out
+
+
+# -- the planned wrappers ----------------------------------------------------------------------
+_WRAPPERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count()
+
+
+def register_wrapper(wrapper) -> int:
+    """A handle for ``wrapper`` (kept weakly), used by wrapper_run to find it."""
+    handle = next(_NEXT_HANDLE)
+    _WRAPPERS[handle] = wrapper
+    return handle
+
+
+def _wrapper_run_impl(handle, q, inputs, tensors, scalars, num_outputs):
+    wrapper = _WRAPPERS.get(handle)
+    if wrapper is None:
+        raise RuntimeError(f"jitattn wrapper {handle} no longer exists (a compiled graph "
+                           f"outlived the wrapper it was traced with)")
+    params = _params_of(wrapper.variant, tensors, scalars)
+    return list(wrapper._run_eager(q, inputs, params))[:num_outputs]
+
+
+def _wrapper_run_fake(handle, q, inputs, tensors, scalars, num_outputs):
+    outs = [torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)]
+    return outs[:num_outputs]
+
+
+_wrapper_run = torch.library.custom_op(
+    "jitattn::wrapper_run", _wrapper_run_impl, mutates_args=(),
+    schema="(int handle, Tensor q, Tensor[] inputs, Tensor[] tensors, float[] scalars, "
+           "int num_outputs) -> Tensor[]")
+_wrapper_run.register_fake(_wrapper_run_fake)
+
+
+def _params_of(variant: Variant, tensors, scalars) -> dict:
+    scalar_names = [p.name for p in variant.params if isinstance(p, ScalarParam)]
+    tensor_names = [p.name for p in variant.params
+                    if not isinstance(p, ScalarParam) and p.captured is None]
+    return dict(zip(tensor_names, tensors)) | dict(zip(scalar_names, scalars))
+
+
+def wrapper_traced(wrapper, q, inputs, params, *, num_outputs: int):
+    """A wrapper's run() while torch.compile traces: one wrapper_run op on its handle."""
+    tensors, scalars = _split_params(wrapper.variant, params)
+    return _wrapper_run(wrapper._handle, q, list(inputs), tensors, scalars, num_outputs)

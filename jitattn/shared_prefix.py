@@ -34,7 +34,7 @@ import operator
 import numpy as np
 import torch
 
-from . import tune
+from . import ops, tune
 from .batch import BatchPrefill, resolve_device
 from .merge import merge_state_in_place
 from .prefix import multi_item_metadata
@@ -120,8 +120,13 @@ class SharedPrefixPrefill:
             check_strategy(variant, strategy)
         self.variant, self.strategy, self.device = variant, strategy, resolve_device(device)
         self._capacities = capacities
+        self._handle = ops.register_wrapper(self)  # torch.compile: the op finds us by it
         self._wrappers: dict = {}
         self._steps: list = []
+
+    def _run_eager(self, q, inputs, params):
+        """run() for the wrapper_run op (ops.py): inputs are k and v."""
+        return [self.run(q, inputs[0], inputs[1], **params)]
 
     def _wrapper(self, name: str, variant: Variant, layout: str) -> BatchPrefill:
         if name not in self._wrappers:
@@ -247,6 +252,8 @@ class SharedPrefixPrefill:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **params) -> torch.Tensor:
         """q, k, v: [P + sum(S_i), heads, head_dim] in the deduplicated layout. Returns the
         attention output in that layout (each request's rows as if it ran on its own)."""
+        if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
+            return ops.wrapper_traced(self, q, [k, v], params, num_outputs=1)[0]
         if not self._steps:
             raise RuntimeError("SharedPrefixPrefill.run() called before plan()")
         total = self._planned["total"]

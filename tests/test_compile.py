@@ -62,3 +62,56 @@ def test_the_graph_holds_one_jitattn_op():
         out = torch.compile(f, fullgraph=True, backend=recording_backend)(q, k, k)
     assert len(graphs) == 1 and graphs[0].count("jitattn.attention_") == 1
     torch.testing.assert_close(out, ja.attention(q, k, k, variant) * 2)
+
+
+def test_planned_wrappers_compile_fullgraph_and_follow_new_plans():
+    """BatchDecode and SharedPrefixPrefill run() inside torch.compile(fullgraph) as one op
+    each; plan() between calls changes the lengths without a recompile (same tensor shapes)."""
+    i32 = dict(dtype=torch.int32)
+    cap = ja.scalar("cap")
+    variant = ja.Variant("softcap_runtime", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
+    decode = ja.BatchDecode(variant, page_size=4, device="cpu")
+    shared = ja.SharedPrefixPrefill(ja.Variant("causal_sp", mask="causal"), device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    cache = tuple(torch.randn(40, 4, 2, 64, generator=gen).half() for _ in range(2))
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    def step(q, qs, ks, vs):
+        out, lse = decode.run(q, cache, return_lse=True, cap=25.0)
+        return out * 2, lse, shared.run(qs, ks, vs)
+
+    compiled = torch.compile(step, fullgraph=True, backend=recording_backend)
+    for pages, last, (prefix, suffixes) in (([2, 10, 5], [1, 4, 2], (20, [3, 5])),
+                                            ([9, 1, 1], [3, 1, 4], (18, [5, 5]))):
+        ids = torch.randperm(40, generator=gen)[:sum(pages)].to(torch.int32)
+        decode.plan(torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], **i32), ids,
+                    torch.tensor(last, **i32), 8, 2, 64)
+        shared.plan(prefix, suffixes, 4, 2, 64)
+        q = torch.randn(3, 8, 64, generator=gen).half()
+        qs, ks, vs = (torch.randn(28, h, 64, generator=gen).half() for h in (4, 2, 2))
+        with torch.inference_mode():
+            got = compiled(q, qs, ks, vs)
+            want = step(q, qs, ks, vs)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    assert len(graphs) == 1 and graphs[0].count("jitattn.wrapper_run") == 2
+
+
+def test_cascade_decode_compiles_fullgraph():
+    i32 = dict(dtype=torch.int32)
+    gen = torch.Generator().manual_seed(1)
+    cache = tuple(torch.randn(12, 4, 2, 64, generator=gen).half() for _ in range(2))
+    q = torch.randn(3, 8, 64, generator=gen).half()
+    for strategy in ("cascade", "plain"):
+        cd = ja.CascadeDecode(ja.Variant("plain_cd"), page_size=4, strategy=strategy,
+                              device="cpu")
+        cd.plan(torch.tensor([0, 1, 2], **i32), 4, torch.tensor([0, 2, 3, 5], **i32),
+                torch.tensor([3, 4, 5, 6, 7], **i32), torch.tensor([2, 1, 4], **i32), 8, 2, 64)
+        with torch.inference_mode():
+            got = torch.compile(lambda x: cd.run(x, cache), fullgraph=True,
+                                backend="aot_eager")(q)
+            torch.testing.assert_close(got, cd.run(q, cache))
