@@ -374,9 +374,10 @@ class BatchPrefill:
                              num_kv_heads=pl["num_kv_heads"], kind=self._kind, plan=device_plan,
                              batch=pl["batch"], max_qo_len=pl["sizes"]["qo_len"],
                              single_qo_len=0, single_kv_len=0, sm_scale=pl["sm_scale"])
-        if q.device.type == "cuda" or len(plan.merge_rows):
-            # always on CUDA: the row count is read on the device, so a captured graph
-            # replays correctly after a plan with more (or fewer) merges
+        capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing or len(plan.merge_rows):
+            # always while a CUDA graph is captured: the row count is read on the device, so
+            # the graph replays correctly after a plan with more (or fewer) merges
             launch.run_merge(ws["partial_o"], ws["partial_lse"], out.view(-1, shape[2]),
                              lse.view(-1), sigmoid=self.variant.reduction == "sigmoid",
                              merge_indptr=self._view("merge_indptr"),
