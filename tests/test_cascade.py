@@ -16,6 +16,16 @@ def _pages(gen, n_tokens, page_size, next_page):
     return ids, last
 
 
+def _plain_decode(variant, page_size, tables, last, hq, hkv, d, q_dtype=torch.float16):
+    """The reference: one plain paged decode over each request's full page table."""
+    i32 = dict(dtype=torch.int32)
+    plain = ja.BatchDecode(variant, page_size=page_size, device="cpu")
+    indptr = torch.tensor([0, *torch.tensor([len(x) for x in tables]).cumsum(0).tolist()], **i32)
+    plain.plan(indptr, torch.tensor(sum(tables, []), **i32), torch.tensor(last, **i32), hq, hkv,
+               d, q_dtype=q_dtype)
+    return plain
+
+
 def test_cascade_decode_equals_plain_decode():
     """Parallel sampling: 6 continuations of one 150-token prompt, each with its own history."""
     gen = torch.Generator().manual_seed(0)
@@ -42,9 +52,7 @@ def test_cascade_decode_equals_plain_decode():
 
     # plain decode: every request's page table lists the prompt pages, then its own
     full = [prompt_pages + ids for ids in uniq_ids]
-    plain = ja.BatchDecode(variant, page_size=page_size, device="cpu")
-    plain.plan(torch.tensor([0, *torch.tensor([len(x) for x in full]).cumsum(0).tolist()], **i32),
-               torch.tensor(sum(full, []), **i32), torch.tensor(uniq_last, **i32), hq, hkv, d)
+    plain = _plain_decode(variant, page_size, full, uniq_last, hq, hkv, d)
     ref, ref_lse = plain.run(q, cache, return_lse=True)
     torch.testing.assert_close(got, ref, **TOL[torch.float16])
     torch.testing.assert_close(got_lse, ref_lse, atol=2e-3, rtol=1e-4)
@@ -76,10 +84,7 @@ def test_three_levels_system_prompt_fewshot_history():
     full = [system + fewshot[0] + history[0], system + fewshot[0] + history[1],
             system + fewshot[1] + history[2], system + fewshot[1]]
     last = [3, 4, 1, 4]
-    plain = ja.BatchDecode(variant, page_size=page_size, device="cpu")
-    plain.plan(torch.tensor([0, *torch.tensor([len(x) for x in full]).cumsum(0).tolist()], **i32),
-               torch.tensor(sum(full, []), **i32), torch.tensor(last, **i32), hq, hkv, d,
-               q_dtype=torch.bfloat16)
+    plain = _plain_decode(variant, page_size, full, last, hq, hkv, d, q_dtype=torch.bfloat16)
     torch.testing.assert_close(got, plain.run(q, cache), **TOL[torch.bfloat16])
 
 
@@ -125,9 +130,7 @@ def test_levels_covering_some_rows(shared_rows):
         num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_rows=[torch.tensor(shared_rows), None])
     got, got_lse = levels.run(q, cache, return_lse=True)
     full = [(system if r in shared_rows else []) + own[r] for r in range(4)]
-    plain = ja.BatchDecode(variant, page_size=page_size, device="cpu")
-    plain.plan(torch.tensor([0, *torch.tensor([len(x) for x in full]).cumsum(0).tolist()], **i32),
-               torch.tensor(sum(full, []), **i32), torch.tensor(own_last, **i32), hq, hkv, d)
+    plain = _plain_decode(variant, page_size, full, own_last, hq, hkv, d)
     ref, ref_lse = plain.run(q, cache, return_lse=True)
     torch.testing.assert_close(got, ref, **TOL[torch.float16])
     torch.testing.assert_close(got_lse, ref_lse, atol=2e-3, rtol=1e-4)
