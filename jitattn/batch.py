@@ -207,6 +207,13 @@ class BatchPrefill:
         self._upload(plan, np.zeros(0, np.int32) if ragged else indices[:kv[-1]])
         self._upload_mask(mask)
         self._plan = plan
+        ws = self._ws
+        self._device_plan = launch.DevicePlan(
+            requests=self._view("requests"), items=self._view("items"),
+            cta_indptr=self._view("cta_indptr"), partial_o=ws["partial_o"],
+            partial_lse=ws["partial_lse"], num_items=plan.num_items, num_ctas=plan.num_ctas,
+            rows_per_cta=plan.rows_per_cta, mask_bits=self._mask_bits,
+            token_pos=self._token_pos)
         self._planned = dict(
             total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=q_dtype, batch=batch,
@@ -255,8 +262,9 @@ class BatchPrefill:
         for name, n in sizes.items():
             views[name] = (offset, n)
             offset += -(-n // 4) * 4  # 16-byte aligned: the kernels read requests/items as int4
+        ints = torch.zeros(offset, dtype=torch.int32, device=dev)
         self._ws = dict(
-            ints=torch.zeros(offset, dtype=torch.int32, device=dev),
+            ints=ints, view_tensors={name: ints[o:o + n] for name, (o, n) in views.items()},
             pinned=torch.zeros(offset, dtype=torch.int32, pin_memory=dev.type == "cuda"),
             views=views,
             partial_o=torch.empty(cap["max_partial_rows"] * max(HEAD_DIMS), dtype=torch.float32,
@@ -265,8 +273,7 @@ class BatchPrefill:
         return self._ws
 
     def _view(self, name: str) -> torch.Tensor:
-        offset, n = self._ws["views"][name]
-        return self._ws["ints"][offset:offset + n]
+        return self._ws["view_tensors"][name]
 
     def _upload(self, plan: Plan, kv_indices: np.ndarray) -> None:
         """Copy a plan into the workspace: each view's used prefix, pinned host -> device, on
@@ -362,12 +369,7 @@ class BatchPrefill:
         shape = (pl["total_q"], pl["num_qo_heads"], pl["head_dim"])
         out = launch.output_buffer("out", out, shape, q.dtype, q.device)
         lse = launch.output_buffer("lse", lse, shape[:2], torch.float32, q.device)
-        device_plan = launch.DevicePlan(
-            requests=self._view("requests"), items=self._view("items"),
-            cta_indptr=self._view("cta_indptr"), partial_o=ws["partial_o"],
-            partial_lse=ws["partial_lse"], num_items=plan.num_items, num_ctas=plan.num_ctas,
-            rows_per_cta=plan.rows_per_cta, mask_bits=self._mask_bits,
-            token_pos=self._token_pos)
+        device_plan = self._device_plan
         kv = launch.KVView.ragged(k_cache, v_cache) if self.kv_layout == "ragged" else \
             launch.KVView.paged(k_cache, v_cache, self._view("kv_indices"), self.kv_layout)
         launch.run_attention(q, kv, out, lse, self.variant, bound,
@@ -378,8 +380,7 @@ class BatchPrefill:
         if capturing or len(plan.merge_rows):
             # always while a CUDA graph is captured: the row count is read on the device, so
             # the graph replays correctly after a plan with more (or fewer) merges
-            launch.run_merge(ws["partial_o"], ws["partial_lse"], out.view(-1, shape[2]),
-                             lse.view(-1), sigmoid=self.variant.reduction == "sigmoid",
+            launch.run_merge(ws["partial_o"], ws["partial_lse"], out, lse, sigmoid=self.variant.reduction == "sigmoid",
                              merge_indptr=self._view("merge_indptr"),
                              merge_rows=self._view("merge_rows"),
                              merge_slots=self._view("merge_slots"),

@@ -45,6 +45,23 @@ def timed(fn, *, reps: int = 50, warmup: int = 5, device: str = "cuda",
     return statistics.median(times)
 
 
+def timed_graph(fn, *, reps: int = 20, inner: int = 10) -> float:
+    """Median milliseconds of one fn() call replayed from a CUDA graph of ``inner`` calls: the
+    GPU's time without the host's launch work, as an engine that captures its decode step sees
+    it. fn must be capturable (no host syncs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (allocations, first launches) off the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    return timed(graph.replay, reps=reps, warmup=2, inner=1) / inner
+
+
 def ceilings() -> dict:
     """Device copy bandwidth (bytes read + written) and bf16 GEMM rate, measured now."""
     src = torch.randn(1 << 30, dtype=torch.float16, device="cuda")  # 2 GiB
@@ -218,7 +235,35 @@ def bench_prefill(quick: bool = False) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], json_path: str | None) -> str:
+def bar_chart(rows: list[dict], key: str, ylabel: str, png_path: str, *, log: bool = False,
+              ceiling: float | None = None, ceiling_label: str = "") -> None:
+    """A PNG of rows[key] per case (groups) and implementation (bars); matplotlib is the
+    optional "plot" extra."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(cases)), 4.5))
+    width = 0.8 / len(impls)
+    for j, impl in enumerate(impls):
+        ys = [next((r[key] for r in rows if r["case"] == c and r["impl"] == impl), 0)
+              for c in cases]
+        ax.bar([i + j * width for i in range(len(cases))], ys, width, label=impl)
+    if ceiling:
+        ax.axhline(ceiling, color="k", linestyle="--", linewidth=1, label=ceiling_label)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases, rotation=20,
+                  ha="right", fontsize=7)
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+def report(rows: list[dict], json_path: str | None, png_path: str | None = None) -> str:
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "jitattn": ja.__version__}
     lines = [f"{meta['date']}  {meta['gpu']}  torch {meta['torch']}  jitattn {meta['jitattn']}",
@@ -232,6 +277,11 @@ def report(rows: list[dict], json_path: str | None) -> str:
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if png_path and "TBps" in rows[0]:
+        bar_chart(rows, "TBps", "TB/s", png_path, ceiling=rows[0]["copy_TBps"],
+                  ceiling_label="device copy")
+    elif png_path:
+        bar_chart(rows, "TFLOPs", "TFLOP/s", png_path)
     return "\n".join(lines)
 
 
@@ -246,5 +296,5 @@ def main(kind: str, quick: bool, json_path: str | None, png_path: str | None = N
         print(bench_shared.report_grid(rows, json_path, png_path))
         return 0
     rows = bench_decode(quick) if kind == "decode" else bench_prefill(quick)
-    print(report(rows, json_path))
+    print(report(rows, json_path, png_path))
     return 0 if all(math.isfinite(r["ms"]) for r in rows) else 1

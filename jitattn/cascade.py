@@ -106,7 +106,9 @@ class MultiLevelCascade:
             if not whole:  # rows this level does not cover are empty states
                 o_levels[i].zero_()
                 lse_levels[i].fill_(float("-inf"))
-            if isinstance(rows, slice):
+            if whole:  # no slicing: each view op costs microseconds of host time per layer
+                level.run(q, kv_cache, out=o_levels[i], lse=lse_levels[i], **params)
+            elif isinstance(rows, slice):
                 level.run(q[rows], kv_cache, out=o_levels[i, rows], lse=lse_levels[i, rows],
                           **params)
             else:

@@ -124,7 +124,8 @@ def main(argv=None) -> int:
     r.add_argument("kind", choices=["decode", "prefill", "shared-prefix", "cascade"])
     r.add_argument("--quick", action="store_true", help="skip FlexAttention and long cases")
     r.add_argument("--json", help="write the rows and metadata to this file")
-    r.add_argument("--png", help="shared-prefix: plot speedup over naive per strategy here")
+    r.add_argument("--png", help="plot the table here (rates per case; shared-prefix and "
+                   "cascade: speedups)")
     r.set_defaults(fn=_bench)
     t = sub.add_parser("tune", help="measure the shared-prefix strategies on this device and "
                                     "store the table strategy='auto' uses")

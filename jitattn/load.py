@@ -136,10 +136,10 @@ class CudaKernel:
     def launch(self, grid: tuple, args: list, stream_ptr: int) -> None:
         """Launch on the CUDA stream ``stream_ptr`` (torch's current stream); no sync.
         ``args`` are ``(kind, value)`` pairs matching the kernel's signature."""
-        kinds = tuple(k for k, _ in args)
+        kinds, values = zip(*args)
         if self._params is None or self._params.kinds != kinds:
             self._params = _ParamBuffer(kinds)
-        params = self._params.pack([v for _, v in args])
+        params = self._params.pack(values)
         drv = _driver()
         rc = drv.call_in_context(self.device_index, lambda: drv.lib.cuLaunchKernel(
             self.function, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem_bytes,

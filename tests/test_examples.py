@@ -29,3 +29,21 @@ def test_example_runs(path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in PRINTS.get(path.stem, []):
         assert line in proc.stdout, proc.stdout
+
+
+@pytest.mark.gpu
+def test_llama_example_on_gpu_with_a_cuda_graph_decode_step():
+    """On the GPU, example 07 also replays its decode step (every layer, CascadeDecode
+    included) from one CUDA graph across steps with new plans, and checks it against the
+    eager jitattn logits."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs transformers")
+    path = next(p for p in EXAMPLES if p.stem == "07_llama_shared_prefix")
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                          env=os.environ, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in PRINTS[path.stem] + ["[cuda]", "replayed from one CUDA graph"]:
+        assert line in proc.stdout, proc.stdout

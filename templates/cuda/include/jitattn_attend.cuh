@@ -87,37 +87,41 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
     cp_async_commit();
     // A thread copies 16-byte column c of rows j0, j0 + THREADS / CHUNKS, ... of a K/V tile.
     // The page-table lookups of all its rows are issued before any copy (one memory latency
-    // per tile rather than one per row).
+    // per tile rather than one per row; looking a tile further ahead was measured no faster
+    // on the H200 and costs registers, docs/performance.md v7).
     constexpr int THREADS = NUM_WARPS * WARP;
     constexpr int ROWS_THREAD = BLOCK_N * CHUNKS / THREADS;
     static_assert(THREADS % CHUNKS == 0 && BLOCK_N * CHUNKS % THREADS == 0, "copy layout");
     const int j0 = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 8;
-    auto load_tile = [&](int tile, int stage) {
-      DType* k_s = kv_s + stage * 2 * BLOCK_N * ROW;
-      DType* v_s = k_s + BLOCK_N * ROW;
+    int2 loc[ROWS_THREAD];  // (page, slot) of this thread's rows of the tile being copied
+    auto lookup = [&](int tile) {
       const int t0 = range.x + tile * BLOCK_N;
-      int2 loc[ROWS_THREAD];
 #pragma unroll
       for (int x = 0; x < ROWS_THREAD; ++x) {
         const int j = t0 + j0 + x * (THREADS / CHUNKS);
         loc[x] = j < range.y ? a.k_layout.locate(req.kv_start, j) : make_int2(-1, 0);
       }
+    };
+    const DType* k_head = a.k + (long long)w.hk * a.k_layout.stride_h + c;
+    const DType* v_head = a.v + (long long)w.hk * a.v_layout.stride_h + c;
+    auto copy_tile = [&](int stage) {
+      DType* k_s = kv_s + stage * 2 * BLOCK_N * ROW;
+      DType* v_s = k_s + BLOCK_N * ROW;
 #pragma unroll
       for (int x = 0; x < ROWS_THREAD; ++x) {
         const int j = j0 + x * (THREADS / CHUNKS);
-        const bool valid = loc[x].x >= 0;
-        const DType *ks = a.k, *vs = a.v;
-        if (valid) {
-          ks += a.k_layout.at(loc[x], w.hk) + c;
-          vs += a.v_layout.at(loc[x], w.hk) + c;
-        }
-        cp_async_16(k_s + j * ROW + c, ks, valid);
-        cp_async_16(v_s + j * ROW + c, vs, valid);
+        const bool valid = loc[x].x >= 0;  // else zero-filled; the address is not read
+        const int2 at = make_int2(max(loc[x].x, 0), loc[x].y);
+        cp_async_16(k_s + j * ROW + c, k_head + a.k_layout.row_offset(at), valid);
+        cp_async_16(v_s + j * ROW + c, v_head + a.v_layout.row_offset(at), valid);
       }
     };
 #pragma unroll
     for (int t = 0; t < STAGES - 1; ++t) {  // one cp.async group per tile, empty past the end
-      if (t < num_tiles) load_tile(t, t);
+      if (t < num_tiles) {
+        lookup(t);
+        copy_tile(t);
+      }
       cp_async_commit();
     }
     cp_async_wait<STAGES - 1>();  // Q has landed
@@ -158,7 +162,10 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
 
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int ahead = tile + STAGES - 1;
-      if (ahead < num_tiles) load_tile(ahead, ahead % STAGES);
+      if (ahead < num_tiles) {
+        lookup(ahead);
+        copy_tile(ahead % STAGES);
+      }
       cp_async_commit();
       cp_async_wait<STAGES - 1>();  // tile `tile` has landed
       __syncthreads();
@@ -244,6 +251,8 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
               l[mt][e / 2] += x;
             }
         } else {
+          float base[2], alpha[2];
+          bool grew = false;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             float mx = -JA_INF;
@@ -253,23 +262,34 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m[mt][h], mx * LOG2E);
-            const float base = m_new == -JA_INF ? 0.f : m_new;  // nothing visible yet: p = 0
-            const float alpha = exp2_approx(m[mt][h] - base);
+            base[h] = m_new == -JA_INF ? 0.f : m_new;  // nothing visible yet: p = 0
+            alpha[h] = exp2_approx(m[mt][h] - base[h]);
+            grew = grew || m_new != m[mt][h];
             m[mt][h] = m_new;
-            l[mt][h] *= alpha;
+          }
+          // O and l are rescaled only when some row's max grew in this warp: otherwise every
+          // factor is exactly 1, or the row has seen nothing and O, l are still 0. After the
+          // first tiles the max rarely grows, so most tiles skip the ND * 4 multiplies.
+          if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
-            for (int n = 0; n < ND; ++n) {
-              o[mt][n][2 * h] *= alpha;
-              o[mt][n][2 * h + 1] *= alpha;
+            for (int h = 0; h < 2; ++h) {
+              l[mt][h] *= alpha[h];
+#pragma unroll
+              for (int n = 0; n < ND; ++n) {
+                o[mt][n][2 * h] *= alpha[h];
+                o[mt][n][2 * h + 1] *= alpha[h];
+              }
             }
+          }
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int n = 0; n < NB; ++n)
 #pragma unroll
               for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], LOG2E, -base));
+                s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], LOG2E, -base[h]));
                 l[mt][h] += s[mt][n][e];
               }
-          }
         }
       }
 

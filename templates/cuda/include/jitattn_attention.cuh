@@ -65,23 +65,38 @@ __device__ __forceinline__ bool data_mask(const Request& req, const MaskData& md
 // Element offset of logical key j of a request in a K or V cache. Paged: the page table maps j to
 // (kv_indices[kv_start + j / page_size], j % page_size) (FlashInfer paper, section 3.1); ragged
 // caches are the special case page_size 1 with no table.
+// n / d and n % d for a divisor d >= 1 fixed at launch and 0 <= n < 2^31, by one multiply-high
+// (Granlund and Montgomery, "Division by invariant integers using multiplication", PLDI 1994,
+// section 4): s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1, n / d = (mulhi(n, m) + n) >> s.
+struct FastDiv {
+  int d;
+  unsigned m;
+  int s;
+  __device__ __forceinline__ explicit FastDiv(int divisor) : d(divisor) {
+    s = 0;
+    while ((1 << s) < d) ++s;
+    m = (unsigned)((((1ull << 32) * ((1ull << s) - (unsigned long long)d)) / d) + 1);
+  }
+  __device__ __forceinline__ int div(int n) const {
+    return (int)((__umulhi((unsigned)n, m) + (unsigned)n) >> s);
+  }
+};
+
 struct KVLayout {
   const int* kv_indices;  // nullptr: ragged
-  int page_size;
-  long long stride_page;  // elements between pages (ragged: between tokens)
+  FastDiv page_size;
+  int stride_page;        // elements between pages (ragged: between tokens); < 2^31 (launch.py)
   int stride_slot;        // elements between slots of a page (ragged: unused)
   int stride_h;           // elements between kv heads
   // (page, slot) of key j; ragged: (row, 0). K and V share it when their tables are the same.
   __device__ __forceinline__ int2 locate(int kv_start, int j) const {
     if (kv_indices == nullptr) return make_int2(kv_start + j, 0);
-    return make_int2(kv_indices[kv_start + j / page_size], j % page_size);
+    const int page = page_size.div(j);
+    return make_int2(kv_indices[kv_start + page], j - page * page_size.d);
   }
-  __device__ __forceinline__ long long at(int2 loc, int hk) const {
-    return (long long)loc.x * stride_page + (long long)loc.y * stride_slot +
-           (long long)hk * stride_h;
-  }
-  __device__ __forceinline__ long long offset(int kv_start, int j, int hk) const {
-    return at(locate(kv_start, j), hk);
+  // elements from head hk's row 0 of page 0 to (page, slot): one 32 x 32 -> 64-bit multiply
+  __device__ __forceinline__ long long row_offset(int2 loc) const {
+    return (long long)loc.x * stride_page + loc.y * stride_slot;
   }
 };
 
