@@ -45,6 +45,21 @@ def timed(fn, *, reps: int = 50, warmup: int = 5, device: str = "cuda",
     return statistics.median(times)
 
 
+def timed_rounds(fns: dict, *, rounds: int = 3, reps: int = 7, warmup: int = 2,
+                 device: str = "cuda", inner: int = 10) -> dict:
+    """{name: milliseconds per call} for several implementations of one workload, measured in
+    ``rounds`` alternating rounds (timed() each, every fn once per round); each fn keeps its
+    fastest round. Slow drift of the host or the clocks then hits every fn alike, and a
+    transient stall (which only ever adds time) does not decide a comparison of calls that
+    take tens of microseconds."""
+    best = {name: math.inf for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = min(best[name], timed(fn, reps=reps, warmup=warmup, device=device,
+                                               inner=inner))
+    return best
+
+
 def timed_graph(fn, *, reps: int = 20, inner: int = 10) -> float:
     """Median milliseconds of one fn() call replayed from a CUDA graph of ``inner`` calls: the
     GPU's time without the host's launch work, as an engine that captures its decode step sees

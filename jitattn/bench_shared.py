@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import jitattn as ja
 
-from .bench import bar_chart, timed, timed_graph
+from .bench import bar_chart, timed, timed_graph, timed_rounds
 from .shared_prefix import STRATEGIES, SharedPrefixPrefill
 
 GRID = [(p, s, m) for p in (96, 8196) for s in (4, 256) for m in (2, 32)]
@@ -33,13 +33,14 @@ def grid(quick: bool, device: str) -> list[dict]:
         gen = torch.Generator(device=device).manual_seed(p + s + m)
         q, k, v = (torch.randn(n, h, d, generator=gen, device=device, dtype=dtype)
                    for h in (hq, hkv, hkv))
-        times = {}
+        fns = {}
         for strategy in STRATEGIES + ("auto",):
             sp = SharedPrefixPrefill(variant, strategy, device=device, **CAPACITIES)
             chosen = sp.plan(p, [s] * m, hq, hkv, d)
             label = f"auto ({chosen})" if strategy == "auto" else strategy
-            times[label] = timed(lambda: sp.run(q, k, v), reps=5 if quick else 20, warmup=2,
-                                 device=device)
+            fns[label] = functools.partial(sp.run, q, k, v)
+        times = timed_rounds(fns, rounds=1 if quick else 3, reps=5 if quick else 7,
+                             device=device)
         if device == "cuda":  # the peer: every request [P, S_i] on its own, one SDPA call
             idx = torch.cat([torch.cat([torch.arange(p), torch.arange(p + i * s, p + (i + 1) * s)])
                              for i in range(m)]).to(device)

@@ -11,6 +11,7 @@ The table is JSON: {"device", "num_qo_heads", "num_kv_heads", "head_dim", "dtype
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -92,12 +93,13 @@ def measure(device, *, quick: bool = False, num_qo_heads: int = 16, num_kv_heads
         q, k, v = (torch.randn(p + s * m, h, head_dim, generator=gen, device=device,
                                dtype=dtype)
                    for h in (num_qo_heads, num_kv_heads, num_kv_heads))
-        times = {}
+        fns = {}
         for strategy in STRATEGIES:
             sp = SharedPrefixPrefill(variant, strategy, device=device, **bench_shared.CAPACITIES)
             sp.plan(p, [s] * m, num_qo_heads, num_kv_heads, head_dim, q_dtype=dtype)
-            times[strategy] = bench.timed(lambda sp=sp: sp.run(q, k, v), reps=reps, warmup=1,
-                                          inner=3, device=device.type)
+            fns[strategy] = functools.partial(sp.run, q, k, v)
+        times = bench.timed_rounds(fns, rounds=1 if quick else 3, reps=reps, warmup=1,
+                                   device=device.type, inner=3)
         rows.append({"prefix": p, "suffix": s, "requests": m, "ms": times})
     return {"device": device_key(device), "num_qo_heads": num_qo_heads,
             "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(dtype), "cells": rows}
