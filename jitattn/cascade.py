@@ -129,12 +129,12 @@ def _count(rows) -> int:
 
 
 # "auto" in CascadeDecode: the cascade pays about CASCADE_OVERHEAD_S more than plain decode
-# (an extra level, its split-KV merge and the level merge; H200, `jitattn bench cascade`: 0.51 vs
-# 0.19 ms at batch 16 / prefix 1024, where the bytes saved are negligible) and saves re-reading
-# the prefix for every request but one, at about DECODE_BYTES_PER_S (`jitattn bench decode`:
-# 3.2 TB/s). docs/performance.md, v6.
-CASCADE_OVERHEAD_S = 4e-4
-DECODE_BYTES_PER_S = 3.2e12
+# (an extra level, its split-KV merge and the level merge; H200, `jitattn bench cascade`: 0.166
+# vs 0.059 ms at batch 16 / prefix 1024, where the bytes saved are negligible; replayed from a
+# CUDA graph the difference is 0.019 ms) and saves re-reading the prefix for every request but
+# one, at about DECODE_BYTES_PER_S (`jitattn bench decode`: 3.83 TB/s). docs/performance.md, v7.
+CASCADE_OVERHEAD_S = 1.1e-4
+DECODE_BYTES_PER_S = 3.8e12
 
 
 class CascadeDecode(MultiLevelCascade):
