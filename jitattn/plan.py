@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KV_TILE = 32          # keys per shared-memory tile in the kernels
+KV_TILE = 64          # keys per K/V tile of the kernels (render.tiles_for; 32 at head_dim 256 prefill)
 ITEM_FIELDS = 8       # int32 per work item on the device
 REQUEST_FIELDS = 8    # int32 per request on the device: q_start, q_len, kv_len, kv_start,
 #                       mask_offset (bytes into the packed custom mask), prefix_len,
@@ -178,7 +178,7 @@ def _tiles(qo_lens, kv_lens, g, rows_per_cta, num_kv_heads, causal, window_left,
 
 
 def _chunks(tiles: dict, cap: int) -> dict:
-    """Cut each span into equal chunks of at most ``cap`` keys (whole 32-key tiles); arrays
+    """Cut each span into equal chunks of at most ``cap`` keys (whole KV_TILE-key tiles); arrays
     tile (index of the span), lo, hi, in span order."""
     length = tiles["hi"] - tiles["lo"]
     n = np.maximum(1, _ceil_div(length, cap))

@@ -40,7 +40,8 @@ def test_batch_decode_every_builtin_variant(name):
     q, *_ = make_batch([1] * len(kv_lens), kv_lens, 8, 2, 128, torch.bfloat16, "cpu", seed=6)
     w = ja.BatchDecode(variant, page_size=16, device="cpu")
     plan = w.plan(kv_indptr, kv_indices, last, 8, 2, 128, q_dtype=torch.bfloat16)
-    assert len(plan.merge_rows) > 0  # the 700-key request is split across CTAs and merged
+    if variant.window_left in (None, -1):  # (a window of 233 keys leaves too little to split)
+        assert len(plan.merge_rows) > 0  # the 700-key request is split across CTAs and merged
     check_batch(w, variant, params, q, kv_cache, _cumsum([1] * len(kv_lens)), kv_indptr,
                 kv_indices, last, "NHD")
 
