@@ -80,9 +80,11 @@ def attention_args(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int
                    single_qo_len: int, single_kv_len: int, sm_scale: float) -> list:
     """The typed argument list of the attention kernels (both backends)."""
     qs0, qs1, _ = q.stride()
-    if max(kv.k_strides + kv.v_strides) >= 1 << 31:  # the kernels compute strides in int32
-        raise ValueError(f"K/V strides {kv.k_strides} / {kv.v_strides} (page, slot, head) must "
-                         f"be below 2**31 elements")
+    slot_span = (kv.page_size - 1) * max(kv.k_strides[1], kv.v_strides[1])
+    if q.device.type == "cuda" and max(kv.k_strides + kv.v_strides + (slot_span,)) >= 1 << 31:
+        # the CUDA kernels compute these offsets in int32 (the page term in int64)
+        raise ValueError(f"K/V strides {kv.k_strides} / {kv.v_strides} (page, slot, head) and "
+                         f"(page_size - 1) x slot stride must be below 2**31 elements")
     args = [("ptr", q.data_ptr()), ("ptr", kv.k.data_ptr()), ("ptr", kv.v.data_ptr()),
             ("ptr", out.data_ptr()), ("ptr", lse.data_ptr()),
             ("ptr", _ptr(qo_indptr)), ("ptr", _ptr(kv_indptr)),

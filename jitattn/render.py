@@ -50,10 +50,11 @@ def tiles_for(kind: str, head_dim: int) -> Tiles:
     64 keys (each K/V fragment feeds two mma row blocks); at head_dim 256, where a 16-row block
     already holds 128 accumulators of O per lane, 8 warps x 16 rows over 32 keys. Decode: 16 rows
     (GQA groups up to 16 in one tile), 4 warps taking 16 keys each of 64-key tiles, three tiles
-    in flight. Measured on the H200 (docs/performance.md)."""
+    in flight (two at head_dim 256, whose three would need 211 KB of shared memory, more than
+    an A100 has). Measured on the H200 (docs/performance.md)."""
     if kind == "prefill":
         return Tiles(8, 16, 32) if head_dim == 256 else Tiles(4, 32, 64)
-    return Tiles(4, 16, 64, stages=3)
+    return Tiles(4, 16, 64, stages=3 if head_dim <= 128 else 2)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,8 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
     const int pos_first = req.kv_len - req.q_len + w.row0 / g;
     const int pos_last = req.kv_len - req.q_len + row_last / g;
 
-    // Q tile (rows past the request zero-filled), then K/V tile 0: two cp.async groups
+    // Q tile (rows past the request zero-filled), then K/V tiles 0 .. STAGES - 2: one cp.async
+    // group each
     for (int i = threadIdx.x; i < ROWS_CTA * CHUNKS; i += blockDim.x) {
       const int r = i / CHUNKS, c = (i % CHUNKS) * 8, packed = w.row0 + r;
       const bool valid = packed < packed_rows;

@@ -85,7 +85,8 @@ struct FastDiv {
 struct KVLayout {
   const int* kv_indices;  // nullptr: ragged
   FastDiv page_size;
-  int stride_page;        // elements between pages (ragged: between tokens); < 2^31 (launch.py)
+  int stride_page;        // elements between pages (ragged: between tokens); strides and
+                          // (page_size - 1) * stride_slot are < 2^31 (checked in launch.py)
   int stride_slot;        // elements between slots of a page (ragged: unused)
   int stride_h;           // elements between kv heads
   // (page, slot) of key j; ragged: (row, 0). K and V share it when their tables are the same.
