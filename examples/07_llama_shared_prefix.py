@@ -26,7 +26,7 @@ multi_item / cascade move tokens to other positions inside their launches, so th
 variants that read positions (``jitattn.shared_prefix.check_strategy``), and so does
 CascadeDecode.
 
-Sources: the shared-prefix survey digested in SEEDS_DIGEST.md (scheme 5a, multi-item scoring;
+Sources: the shared-prefix survey (docs/sources.md) (scheme 5a, multi-item scoring;
 "Decode (scenario 3): cascade is the method", parallel sampling), and FlashInfer's cascade
 attention (Ye et al. 2025, arXiv 2501.01005: attention states merged by log-sum-exp).
 """

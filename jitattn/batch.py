@@ -117,7 +117,7 @@ class BatchPrefill:
         Mask "custom": custom_mask, flattened bool, row-major [qo_len, kv_len] per request
             (length sum(qo_len * kv_len)); or packed_custom_mask (uint8, each request's bits
             packed little-endian from byte mask_indptr[b]) with mask_indptr [batch + 1] int32.
-        Mask "multi_item" (SEEDS_DIGEST scheme 5a): prefix_len [batch] int32; token_pos_in_items
+        Mask "multi_item" (docs/sources.md, scheme 5a): prefix_len [batch] int32; token_pos_in_items
             int32, for every token after a request's prefix its 1-based position in its item
             (0 for a delimiter), concatenated over requests; max_item_len [batch] int32 (the
             longest item; lets the schedule skip keys between items).
@@ -147,6 +147,9 @@ class BatchPrefill:
         indices = masks_mod.host_int32("kv_indices", kv_indices, allow_empty=True)
         last = masks_mod.host_int32("kv_last_page_len", kv_last_page_len, allow_empty=True)
         if len(kv) != batch + 1 or len(last) != batch:
+            if self._kind == "decode":  # batch is len(kv_indptr) - 1
+                raise ValueError(f"kv_last_page_len has {len(last)} entries; kv_indptr's "
+                                 f"{len(kv)} make a batch of {batch}")
             raise ValueError(f"qo_indptr has {len(qo)} entries, kv_indptr {len(kv)} and "
                              f"kv_last_page_len {len(last)}; expected batch + 1, batch + 1, "
                              f"batch")
@@ -342,7 +345,7 @@ class BatchPrefill:
             if pl["max_page"] >= c.shape[0]:
                 unit = "token" if self.kv_layout == "ragged" else "page"
                 raise ValueError(f"the plan refers to {unit} {pl['max_page']} but {name} has "
-                                 f"{c.shape[0]}")
+                                 f"{c.shape[0]} {unit}s (dim 0)")
         s0, s1, s2 = q.stride()
         if s2 != 1 or s0 % 8 or s1 % 8 or q.data_ptr() % 16:
             raise ValueError(f"q has strides {q.stride()}; expected the last dim contiguous, "
@@ -380,7 +383,8 @@ class BatchPrefill:
         if capturing or len(plan.merge_rows):
             # always while a CUDA graph is captured: the row count is read on the device, so
             # the graph replays correctly after a plan with more (or fewer) merges
-            launch.run_merge(ws["partial_o"], ws["partial_lse"], out, lse, sigmoid=self.variant.reduction == "sigmoid",
+            launch.run_merge(ws["partial_o"], ws["partial_lse"], out, lse,
+                             sigmoid=self.variant.reduction == "sigmoid",
                              merge_indptr=self._view("merge_indptr"),
                              merge_rows=self._view("merge_rows"),
                              merge_slots=self._view("merge_slots"),
@@ -408,11 +412,21 @@ def _into(o, s, out, lse, return_lse: bool):
 
 
 class BatchDecode(BatchPrefill):
-    """Decode: one query token per request over a paged KV cache (the decode kernel: warps
-    split each work item's KV range; the scheduler splits long requests across CTAs).
-    Same constructor as BatchPrefill; q is [batch, num_qo_heads, head_dim]."""
+    """Decode: one query token per request over a paged (or ragged) KV cache (the decode
+    kernel: warps split each work item's KV range; the scheduler splits long requests across
+    CTAs). Same constructor as BatchPrefill, for variants with mask "none" or "causal" (custom
+    and multi-item masks are BatchPrefill's: its plan() takes the mask data); q is
+    [batch, num_qo_heads, head_dim]."""
 
     _kind = "decode"
+
+    def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD",
+                 **kwargs):
+        super().__init__(variant, page_size, kv_layout, **kwargs)
+        if variant.mask not in ("none", "causal"):
+            raise ValueError(f"BatchDecode takes variants with mask 'none' or 'causal'; "
+                             f"{variant.name!r} has mask={variant.mask!r}, whose data "
+                             f"BatchPrefill.plan takes (one query per request works there)")
 
     def plan(self, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, *, q_dtype=torch.float16, kv_dtype=None,

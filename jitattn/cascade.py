@@ -1,6 +1,6 @@
-"""Cascade attention over levels of shared KV (FlashInfer's multi-level cascade; SEEDS_DIGEST.md,
-"Decode (scenario 3): cascade is the method"): each level is a batch whose queries attend to a
-slice of the KV (e.g. level 0: every request's query packed into one request against the
+"""Cascade attention over levels of shared KV (FlashInfer's multi-level cascade; the shared-prefix
+survey's method for decode, scenario 3 in docs/sources.md): each level is a batch whose queries
+attend to a slice of the KV (e.g. level 0: every request's query packed into one request against the
 system prompt, read once; level 1: a few-shot block shared by some; last level: each request's
 own history), and the levels' attention states are merged by LSE.
 
@@ -144,7 +144,7 @@ class CascadeDecode(MultiLevelCascade):
     strategy: "cascade", "plain" (one paged decode over [prefix pages + own pages] per
     request; needs the prefix to end on a page boundary) or "auto" (plain when the prefix
     bytes the cascade would save take less time to read than the cascade's extra launches
-    cost: CASCADE_OVERHEAD_S, DECODE_BYTES_PER_S; the shared-prefix survey in SEEDS_DIGEST.md
+    cost: CASCADE_OVERHEAD_S, DECODE_BYTES_PER_S; the shared-prefix survey (docs/sources.md)
     notes the same trade-off). The choice of the last plan() is in ``chosen``. A CUDA graph
     captures the launches of one strategy: to replay it after new plans, fix the strategy
     ("cascade" or "plain"), since "auto" may switch between them."""

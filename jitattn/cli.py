@@ -1,4 +1,4 @@
-"""The ``jitattn`` command line: doctor, cache ls | clear, compile <variant file>, bench."""
+"""The jitattn command line: doctor, cache ls | clear, compile <variant file>, bench, tune."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Binary -> launchable kernel: a cubin through the CUDA driver API (ctypes on libcuda), a CPU
-library through ctypes. (DESIGN.md names cupy.RawModule; importing CuPy alone costs 100-400 ms,
-more than the whole warm-load budget, so the driver is called directly. CuPy remains the NVRTC
-fallback when nvcc is missing.)
+library through ctypes. (The first design named cupy.RawModule; importing CuPy alone costs
+100-400 ms, more than the whole warm-load budget, so the driver is called directly. CuPy
+remains the NVRTC fallback when nvcc is missing.)
 
 Kernels take typed arguments ``(kind, value)`` with kind ``"ptr" | "i32" | "i64" | "f32"``, so one
 argument list (built in api.py) serves both backends.

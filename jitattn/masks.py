@@ -1,7 +1,7 @@
 """Data of the "custom" and "multi_item" masks given to BatchPrefill.plan(): validation, bit
 packing (FlashInfer's segment_packbits layout: each request's row-major [qo_len, kv_len] bits
 packed little-endian from its own byte offset) and the per-request offsets the kernels read.
-Multi-item scoring is SEEDS_DIGEST.md scheme 5a."""
+Multi-item scoring is the shared-prefix survey's scheme 5a (docs/sources.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ def host_int32(name: str, t, *, allow_empty: bool = False) -> np.ndarray:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(t).__name__}")
     if t.dtype != torch.int32:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected torch.int32")
+        raise TypeError(f"{name} has dtype {t.dtype}; expected torch.int32 (convert with "
+                        f".int(); the batch wrappers do not convert index tensors silently)")
     if t.dim() != 1 or (t.numel() == 0 and not allow_empty):
         raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
     return t.cpu().numpy()

@@ -1,7 +1,7 @@
 """indptrs / page tables -> a frozen Plan: load-balanced work items and the merge map. Host only.
 
 The scheduler is FlashInfer's (Ye et al., "FlashInfer", arXiv 2501.01005, section 3.3; see
-SEEDS_DIGEST.md): a query tile is ``rows_per_cta`` packed rows (GQA head-group fusion: packed row
+docs/sources.md): a query tile is ``rows_per_cta`` packed rows (GQA head-group fusion: packed row
 r of request b is query r // g of kv head hk, head hk * g + r % g). The work is
 W = sum over tiles of the KV length each tile can see (causal and window ranges applied), the KV
 chunk cap is L = max(1, ceil(W / C)) with C resident CTAs (here ceil(W / kC), k in 1..8 chosen
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KV_TILE = 64          # keys per K/V tile of the kernels (render.tiles_for; 32 at head_dim 256 prefill)
+KV_TILE = 64          # keys per K/V tile of the kernels (render.tiles_for; 32: d256 prefill)
 ITEM_FIELDS = 8       # int32 per work item on the device
 REQUEST_FIELDS = 8    # int32 per request on the device: q_start, q_len, kv_len, kv_start,
 #                       mask_offset (bytes into the packed custom mask), prefix_len,

@@ -4,7 +4,7 @@ Prefixes are found at block (page) granularity, so that the shared part can be s
 referenced by every request's page table. Each full block is named by a chained hash of its
 tokens and the hash of the block before it (vLLM's prefix caching), so equal hashes mean equal
 prefixes, and a radix trie over the hash chains (SGLang's RadixAttention) gives, for every set
-of requests, the longest block prefix they all share. See SEEDS_DIGEST.md, scenario 1 and 2.
+of requests, the longest block prefix they all share. See docs/sources.md, scenarios 1 and 2.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def find_shared_prefixes(requests: Sequence[Sequence[int]], block_size: int,
 
 
 def multi_item_metadata(prefix_len: int, item_lens: Sequence[int]):
-    """Metadata of the multi-item mask (SEEDS_DIGEST.md scheme 5a) for one request made of a
+    """Metadata of the multi-item mask (docs/sources.md, scheme 5a) for one request made of a
     prefix and items: (prefix_len, token_pos_in_items, max_item_len), token positions 1-based
     inside each item. The seed's example: prefix 96, items [4, 4] ->
     (96, [1, 2, 3, 4, 1, 2, 3, 4], 4)."""

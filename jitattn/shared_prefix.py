@@ -1,6 +1,6 @@
-"""Prefill of a batch whose requests share a prefix: the schemes of SEEDS_DIGEST.md (the shared
-prefix survey, section "Five ways to prefill a batch that shares a prefix"), each built from
-BatchPrefill plans over one deduplicated token layout.
+"""Prefill of a batch whose requests share a prefix: the five schemes of the shared-prefix survey
+(docs/sources.md, scenario 2), each built from BatchPrefill plans over one deduplicated token
+layout.
 
 The layout: the model computes Q, K, V once per distinct token, [P, S_0, S_1, ..., S_{M-1}]
 (P prefix tokens, then each request's suffix); every strategy returns the attention output in

@@ -90,6 +90,18 @@ def test_bad_plan_arguments(mutate, exc, match):
         w.plan(**mutate(args))
 
 
+def test_batch_decode_errors_speak_of_decode():
+    """BatchDecode refuses masks its plan() cannot take, at construction; a wrong
+    kv_last_page_len is reported without mentioning qo_indptr (decode has none)."""
+    with pytest.raises(ValueError, match="mask='custom'.*BatchPrefill"):
+        ja.BatchDecode(ja.Variant("cm", mask="custom"), device="cpu")
+    _, kv_indptr, kv_indices, _ = _simple()
+    w = ja.BatchDecode(ja.Variant("c"), page_size=16, device="cpu")
+    with pytest.raises(ValueError, match="kv_last_page_len has 1 entries; kv_indptr's 3 make "
+                                         "a batch of 2"):
+        w.plan(kv_indptr, kv_indices, torch.tensor([4], dtype=torch.int32), 4, 2, 64)
+
+
 def test_run_checks_against_the_plan():
     kv_cache, kv_indptr, kv_indices, last = _simple()
     w = ja.BatchPrefill(ja.Variant("c"), page_size=16, device="cpu")
@@ -103,7 +115,7 @@ def test_run_checks_against_the_plan():
         w.run(q.bfloat16(), tuple(c.bfloat16() for c in kv_cache))
     with pytest.raises(ValueError, match="k_cache has shape"):
         w.run(q, (kv_cache[0][..., :32].contiguous(), kv_cache[1]))
-    with pytest.raises(ValueError, match=r"refers to page \d+ but k_cache has 2"):
+    with pytest.raises(ValueError, match=r"refers to page \d+ but k_cache has 2 pages"):
         w.run(q, (kv_cache[0][:2].contiguous(), kv_cache[1][:2].contiguous()))
 
 
