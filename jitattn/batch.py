@@ -112,7 +112,9 @@ class BatchPrefill:
             of q. kv_indptr: [batch + 1] int32 into kv_indices; kv_indices: page ids, int32;
             kv_last_page_len: [batch] int32 in [1, page_size] for requests with pages.
             Host (CPU) tensors avoid a device sync.
-        q_dtype / kv_dtype: torch.float16 or torch.bfloat16 (kv_dtype defaults to q_dtype).
+        q_dtype: torch.float16 or torch.bfloat16. kv_dtype: the cache's, q_dtype (default) or
+            torch.float8_e4m3fn (fp8 KV: dequantized on load, exactly, into q_dtype; run()
+            takes the caches' scales k_scale / v_scale).
         sm_scale: default 1 / sqrt(head_dim).
         Mask "custom": custom_mask, flattened bool, row-major [qo_len, kv_len] per request
             (length sum(qo_len * kv_len)); or packed_custom_mask (uint8, each request's bits
@@ -175,9 +177,10 @@ class BatchPrefill:
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim={head_dim}: expected one of {HEAD_DIMS}")
         kv_dtype = q_dtype if kv_dtype is None else kv_dtype
-        if q_dtype not in dtypes.QKV_DTYPES or kv_dtype != q_dtype:
-            raise TypeError(f"q_dtype={q_dtype}, kv_dtype={kv_dtype}: expected one of "
-                            f"{dtypes.QKV_DTYPES}, the same for both")
+        if q_dtype not in dtypes.QKV_DTYPES or kv_dtype not in (q_dtype,) + dtypes.FP8_KV_DTYPES:
+            raise TypeError(f"q_dtype={q_dtype}, kv_dtype={kv_dtype}: expected q_dtype one of "
+                            f"{dtypes.QKV_DTYPES} and kv_dtype q_dtype or one of "
+                            f"{dtypes.FP8_KV_DTYPES}")
         cap = self.capacity
         if batch > cap["max_batch_size"]:
             raise ValueError(f"batch of {batch} requests exceeds max_batch_size="
@@ -191,7 +194,7 @@ class BatchPrefill:
                                      self.capacity)
         kernel_kind = self._kind
         rows = tiles_for(kernel_kind, head_dim).rows_per_cta(kernel_kind)
-        num_ctas = self._num_ctas(kernel_kind, q_dtype, head_dim)
+        num_ctas = self._num_ctas(kernel_kind, q_dtype, kv_dtype, head_dim)
         plan = make_plan(qo_lens, kv_lens, kv[:-1], num_qo_heads=num_qo_heads,
                          num_kv_heads=num_kv_heads, rows_per_cta=rows, num_ctas=num_ctas,
                          causal=self.variant.mask in ("causal", "multi_item"),
@@ -219,7 +222,7 @@ class BatchPrefill:
             token_pos=self._token_pos)
         self._planned = dict(
             total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, dtype=q_dtype, batch=batch,
+            head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, batch=batch,
             max_page=int(indices[:kv[-1]].max(initial=-1)),
             sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
             sizes=dict(batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -239,12 +242,13 @@ class BatchPrefill:
                                               dtype=torch.int32, device=dev)
             self._token_pos[:len(mask["pos"])].copy_(torch.from_numpy(mask["pos"]))
 
-    def _num_ctas(self, kind, q_dtype, head_dim) -> int:
+    def _num_ctas(self, kind, q_dtype, kv_dtype, head_dim) -> int:
         if self.device.type == "cpu":
             return 2 * (os.cpu_count() or 1)
         kernel = jit.get_kernel(self.variant, backend="cuda", kind=kind,
                                 dtype_tag=dtypes.tag(q_dtype), head_dim=head_dim,
-                                device_index=self.device.index)
+                                device_index=self.device.index,
+                                kv_tag=dtypes.kv_tag(kv_dtype))
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return sms * kernel.resident_ctas_per_sm()
 
@@ -334,14 +338,17 @@ class BatchPrefill:
                 what = "total_kv" if self.kv_layout == "ragged" else "num_pages"
                 raise ValueError(f"{name} has shape {tuple(getattr(c, 'shape', ()))}; expected "
                                  f"[{what}, {', '.join(map(str, page))}] ({self.kv_layout})")
-            if c.dtype != q.dtype:
-                raise TypeError(f"{name} has dtype {c.dtype}; expected {q.dtype} (q's)")
+            if c.dtype != pl["kv_dtype"]:
+                raise TypeError(f"{name} has dtype {c.dtype}; the plan was made for "
+                                f"kv_dtype={pl['kv_dtype']}")
             if c.device != q.device or q.device != self.device:
                 raise ValueError(f"q and {name} are on {q.device} / {c.device}; the wrapper "
                                  f"was built for {self.device}")
-            if c.stride(-1) != 1 or any(s % 8 for s in c.stride()[:-1]) or c.data_ptr() % 16:
+            if c.stride(-1) != 1 or any(s * c.element_size() % 16 for s in c.stride()[:-1]) \
+                    or c.data_ptr() % 16:
                 raise ValueError(f"{name} has strides {c.stride()}; expected the last dim "
-                                 f"contiguous, other strides multiples of 8, 16-byte aligned")
+                                 f"contiguous, other strides multiples of 16 bytes, 16-byte "
+                                 f"aligned")
             if pl["max_page"] >= c.shape[0]:
                 unit = "token" if self.kv_layout == "ragged" else "page"
                 raise ValueError(f"the plan refers to {unit} {pl['max_page']} but {name} has "
@@ -352,19 +359,28 @@ class BatchPrefill:
                              f"other strides multiples of 8, 16-byte aligned")
 
     def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False,
-            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, **params):
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            k_scale: float = 1.0, v_scale: float = 1.0, **params):
         """Attention for the planned batch.
 
         q: [total_q, num_qo_heads, head_dim] (planned dtype). kv_cache: (k_cache, v_cache) with
-        pages laid out as kv_layout, or one [num_pages, 2, ...] tensor.
+        pages laid out as kv_layout, or one [num_pages, 2, ...] tensor, of the planned kv_dtype.
         out / lse: optional outputs [total_q, num_qo_heads, head_dim] / [total_q, num_qo_heads].
+        k_scale / v_scale: Python floats, the caches' dequantization scales (K = k_scale *
+            k_cache, V = v_scale * v_cache; for fp8 caches quantized per tensor). k_scale is
+            folded into the softmax scale, v_scale multiplies the output.
         params: the variant's runtime parameters (shape symbols from the plan: qo_len / kv_len
         are the longest request). Returns out, or (out, lse) with lse float32 natural log;
         rows that see no key give out 0 and lse -inf. Raises before any launch on bad input.
         """
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
-            o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2)
+            o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2,
+                                      extra_scalars=(k_scale, v_scale))
             return _into(o, s, out, lse, return_lse)
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}={value!r}: expected a finite Python float > 0")
         k_cache, v_cache = self._split_cache(kv_cache)
         self._check_run(q, k_cache, v_cache)
         pl, plan, ws = self._planned, self._plan, self._ws
@@ -378,7 +394,8 @@ class BatchPrefill:
         launch.run_attention(q, kv, out, lse, self.variant, bound,
                              num_kv_heads=pl["num_kv_heads"], kind=self._kind, plan=device_plan,
                              batch=pl["batch"], max_qo_len=pl["sizes"]["qo_len"],
-                             single_qo_len=0, single_kv_len=0, sm_scale=pl["sm_scale"])
+                             single_qo_len=0, single_kv_len=0,
+                             sm_scale=pl["sm_scale"] * k_scale)
         capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if capturing or len(plan.merge_rows):
             # always while a CUDA graph is captured: the row count is read on the device, so
@@ -390,12 +407,14 @@ class BatchPrefill:
                              merge_slots=self._view("merge_slots"),
                              num_merged_dev=self._view("merge_count"),
                              grid_ctas=plan.num_ctas)
+        if v_scale != 1.0:
+            out.mul_(v_scale)
         return (out, lse) if return_lse else out
 
-    def _run_eager(self, q, inputs, params):
+    def _run_eager(self, q, inputs, params, k_scale: float = 1.0, v_scale: float = 1.0):
         """run() for the wrapper_run op (ops.py): inputs are the cache tensor(s)."""
         return self.run(q, inputs[0] if len(inputs) == 1 else tuple(inputs), return_lse=True,
-                        **params)
+                        k_scale=k_scale, v_scale=v_scale, **params)
 
 
 def _cache_tensors(kv_cache) -> list:

@@ -128,12 +128,14 @@ def _flex(q, k, v, causal, score_mod=None, window_left=None):
         return None
 
 
-def _paged_decode_case(batch_lens, hq, hkv, head_dim, page_size, dtype, split_kv=True):
+def _paged_decode_case(batch_lens, hq, hkv, head_dim, page_size, dtype, split_kv=True,
+                       kv_dtype=None):
     gen = torch.Generator(device="cuda").manual_seed(0)
     pages = [-(-n // page_size) for n in batch_lens]
     num_pages = sum(pages)
     cache = tuple(torch.randn(num_pages, page_size, hkv, head_dim, generator=gen,
-                              device="cuda", dtype=dtype) for _ in range(2))
+                              device="cuda", dtype=dtype).to(kv_dtype or dtype)
+                  for _ in range(2))
     indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
     indices = torch.randperm(num_pages, dtype=torch.int32)
     last = torch.tensor([n - (p - 1) * page_size for n, p in zip(batch_lens, pages)],
@@ -141,7 +143,7 @@ def _paged_decode_case(batch_lens, hq, hkv, head_dim, page_size, dtype, split_kv
     q = torch.randn(len(batch_lens), hq, head_dim, generator=gen, device="cuda", dtype=dtype)
     w = ja.BatchDecode(ja.Variant("decode", mask="causal"), page_size=page_size,
                        split_kv=split_kv)
-    w.plan(indptr, indices, last, hq, hkv, head_dim, q_dtype=dtype)
+    w.plan(indptr, indices, last, hq, hkv, head_dim, q_dtype=dtype, kv_dtype=kv_dtype)
     out = torch.empty_like(q)
     return (lambda: w.run(q, cache, out=out)), cache
 
@@ -154,6 +156,10 @@ def bench_decode(quick: bool = False) -> list[dict]:
         kv_bytes = 2 * batch * kv_len * hkv * d * 2
         run, _ = _paged_decode_case([kv_len] * batch, hq, hkv, d, page, dtype)
         results = {"jitattn (paged)": timed(run)}
+        # fp8 e4m3 KV: half the bytes; its row's TB/s counts the bytes it reads
+        run, _ = _paged_decode_case([kv_len] * batch, hq, hkv, d, page, dtype,
+                                    kv_dtype=torch.float8_e4m3fn)
+        fp8_ms = timed(run)
         gen = torch.Generator(device="cuda").manual_seed(1)
         q = torch.randn(batch, hq, 1, d, generator=gen, device="cuda", dtype=dtype)
         k = torch.randn(batch, hkv, kv_len, d, generator=gen, device="cuda", dtype=dtype)
@@ -167,6 +173,10 @@ def bench_decode(quick: bool = False) -> list[dict]:
             rows.append({"case": f"decode b{batch} kv{kv_len}", "impl": name, "ms": ms,
                          "TBps": kv_bytes / ms / 1e9,
                          "pct_copy": 100 * kv_bytes / ms / 1e9 / ceil["copy_TBps"]})
+        rows.append({"case": f"decode b{batch} kv{kv_len}", "impl": "jitattn (paged, fp8 KV)",
+                     "vs_fp16": results["jitattn (paged)"] / fp8_ms,
+                     "ms": fp8_ms, "TBps": kv_bytes / 2 / fp8_ms / 1e9,
+                     "pct_copy": 100 * kv_bytes / 2 / fp8_ms / 1e9 / ceil["copy_TBps"]})
     # skewed batch: one long request among short ones, with and without KV splitting
     lens = [32768] + [512] * 63
     kv_bytes = 2 * sum(lens) * hkv * d * 2
@@ -288,7 +298,8 @@ def report(rows: list[dict], json_path: str | None, png_path: str | None = None)
              "|---|---|---|---|" + ("---|" if "TBps" in rows[0] else "")]
     for r in rows:
         rate = f"{r['TBps']:.2f} | {r['pct_copy']:.0f}%" if "TBps" in r else f"{r['TFLOPs']:.1f}"
-        lines.append(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {rate} |")
+        impl = r["impl"] + (f": {r['vs_fp16']:.2f}x the fp16 tokens/s" if "vs_fp16" in r else "")
+        lines.append(f"| {r['case']} | {impl} | {r['ms']:.3f} | {rate} |")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

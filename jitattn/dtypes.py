@@ -6,6 +6,8 @@ import torch
 
 #: Attention input/output dtypes the kernels are built for.
 QKV_DTYPES = (torch.float16, torch.bfloat16)
+#: KV-cache dtypes besides q's own: fp8 e4m3 (dequantized on load; the batch wrappers' kv_dtype)
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 
 TAG = {
     torch.float16: "f16",
@@ -27,9 +29,9 @@ FROM_NAME = {
 #: C++ type per tag, per backend. The CPU backend keeps 16-bit floats as tagged uint16 structs.
 CTYPE = {
     "cuda": {"f16": "half", "bf16": "__nv_bfloat16", "f32": "float", "i32": "int",
-             "i64": "long long", "bool": "unsigned char"},
+             "i64": "long long", "bool": "unsigned char", "e4m3": "__nv_fp8_storage_t"},
     "cpu": {"f16": "ja_f16", "bf16": "ja_bf16", "f32": "float", "i32": "int",
-            "i64": "long long", "bool": "unsigned char"},
+            "i64": "long long", "bool": "unsigned char", "e4m3": "ja_e4m3"},
 }
 
 
@@ -39,6 +41,11 @@ def tag(dtype: torch.dtype) -> str:
         return TAG[dtype]
     except KeyError:
         raise TypeError(f"dtype {dtype} is not supported; expected one of {list(TAG)}") from None
+
+
+def kv_tag(dtype: torch.dtype) -> str:
+    """Tag of a KV-cache dtype: q's own (f16, bf16) or fp8 e4m3."""
+    return "e4m3" if dtype == torch.float8_e4m3fn else tag(dtype)
 
 
 def is_float_tag(t: str) -> bool:

@@ -100,11 +100,13 @@ def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = 
 
 
 def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "prefill",
-               dtype_tag: str = "f16", device_index: int = 0):
-    """A loaded kernel for this specialisation (CudaKernel or CpuKernel), memoised."""
+               dtype_tag: str = "f16", device_index: int = 0, kv_tag: str | None = None):
+    """A loaded kernel for this specialisation (CudaKernel or CpuKernel), memoised. kv_tag:
+    the KV cache's dtype tag when it differs from dtype_tag ("e4m3")."""
+    kv_tag = kv_tag or dtype_tag
     tiles = render.tiles_for(kind, head_dim)
     memo_key = (variant.key, backend, head_dim) if backend == "cpu" else (
-        variant.key, backend, kind, dtype_tag, head_dim, tiles, device_index)
+        variant.key, backend, kind, dtype_tag, kv_tag, head_dim, tiles, device_index)
     kernel = _MEMO.get(memo_key)
     if kernel is not None:
         return kernel
@@ -115,7 +117,7 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
     else:
         arch = device_arch(device_index)
         src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag, head_dim=head_dim,
-                                 tiles=tiles)
+                                 tiles=tiles, kv_tag=kv_tag)
         path, _ = compile_cached(src, arch)
         kernel = load.load_cuda(path, src, device_index)
     _MEMO[memo_key] = kernel

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dtypes, jit
+from . import dtypes, jit, render
 from .dsl import ScalarParam
 
 
@@ -135,14 +135,14 @@ def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
                           qo_indptr=qo_indptr, kv_indptr=kv_indptr, plan=plan, batch=batch,
                           single_qo_len=single_qo_len, single_kv_len=single_kv_len,
                           sm_scale=sm_scale)
-    tag = dtypes.tag(q.dtype)
+    tag, kv_tag = dtypes.tag(q.dtype), dtypes.kv_tag(kv.k.dtype)
     if q.device.type == "cpu":
         jit.get_kernel(variant, backend="cpu", head_dim=head_dim).launch(
-            f"jitattn_attention_{tag}", args)
+            render.cpu_entry(tag, kv_tag), args)
         return
     index = device_index(q)
     kernel = jit.get_kernel(variant, backend="cuda", kind=kind, dtype_tag=tag,
-                            head_dim=head_dim, device_index=index)
+                            head_dim=head_dim, device_index=index, kv_tag=kv_tag)
     if plan is not None:
         grid = (plan.num_ctas, 1, 1)
     else:

@@ -169,7 +169,7 @@ def load_cuda(path: Path, src: RenderedSource, device_index: int) -> CudaKernel:
     shared-memory limit when it needs more than the default 48 KiB."""
     drv = _driver()
     module, function = ctypes.c_void_p(), ctypes.c_void_p()
-    smem = src.tiles.smem_bytes(src.kind, src.head_dim) if src.tiles else 0
+    smem = src.smem_bytes()
 
     def load():
         drv.check(drv.lib.cuModuleLoad(ctypes.byref(module), str(path).encode()),

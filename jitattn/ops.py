@@ -101,8 +101,10 @@ def _wrapper_run_impl(handle, q, inputs, tensors, scalars, num_outputs):
     if wrapper is None:
         raise RuntimeError(f"jitattn wrapper {handle} no longer exists (a compiled graph "
                            f"outlived the wrapper it was traced with)")
-    params = _params_of(wrapper.variant, tensors, scalars)
-    return list(wrapper._run_eager(q, inputs, params))[:num_outputs]
+    n = sum(isinstance(p, ScalarParam) for p in wrapper.variant.params)
+    params = _params_of(wrapper.variant, tensors, scalars[:n])
+    # scalars past the variant's: the wrapper's own run() arguments (BatchPrefill: k/v_scale)
+    return list(wrapper._run_eager(q, inputs, params, *scalars[n:]))[:num_outputs]
 
 
 def _wrapper_run_fake(handle, q, inputs, tensors, scalars, num_outputs):
@@ -124,7 +126,9 @@ def _params_of(variant: Variant, tensors, scalars) -> dict:
     return dict(zip(tensor_names, tensors)) | dict(zip(scalar_names, scalars))
 
 
-def wrapper_traced(wrapper, q, inputs, params, *, num_outputs: int):
-    """A wrapper's run() while torch.compile traces: one wrapper_run op on its handle."""
+def wrapper_traced(wrapper, q, inputs, params, *, num_outputs: int, extra_scalars=()):
+    """A wrapper's run() while torch.compile traces: one wrapper_run op on its handle.
+    extra_scalars: floats passed after the params to the wrapper's _run_eager."""
     tensors, scalars = _split_params(wrapper.variant, params)
-    return _wrapper_run(wrapper._handle, q, list(inputs), tensors, scalars, num_outputs)
+    return _wrapper_run(wrapper._handle, q, list(inputs), tensors,
+                        list(scalars) + [float(x) for x in extra_scalars], num_outputs)

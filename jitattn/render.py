@@ -38,11 +38,15 @@ class Tiles:
     def rows_per_cta(self, kind: str) -> int:
         return self.num_warps * self.rows if kind == "prefill" else self.rows
 
-    def smem_bytes(self, kind: str, head_dim: int) -> int:
+    def smem_bytes(self, kind: str, head_dim: int, kv_fp8: bool = False) -> int:
         """Dynamic shared memory in bytes: the Q tile and the stages of K and V tiles, 16-bit,
-        in padded rows (decode reuses the stages to merge the warps' states)."""
+        in padded rows (decode reuses the stages to merge the warps' states). With an fp8 KV
+        cache the stages hold fp8 rows (16 bytes of padding) and one 16-bit K/V tile more
+        receives each dequantized tile."""
         row = (head_dim + SMEM_ROW_PAD) * 2
-        return self.rows_per_cta(kind) * row + self.stages * 2 * self.kv_tile * row
+        kv = 2 * self.kv_tile * row + self.stages * 2 * self.kv_tile * (head_dim + 16) \
+            if kv_fp8 else self.stages * 2 * self.kv_tile * row
+        return self.rows_per_cta(kind) * row + kv
 
 
 def tiles_for(kind: str, head_dim: int) -> Tiles:
@@ -71,6 +75,11 @@ class RenderedSource:
     kind: str = "prefill"
     head_dim: int = 128
     tiles: Tiles | None = None
+    kv_fp8: bool = False           # CUDA attention: the KV cache is fp8 e4m3
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of a CUDA attention kernel (0 without tiles)."""
+        return self.tiles.smem_bytes(self.kind, self.head_dim, self.kv_fp8) if self.tiles else 0
 
 
 @lru_cache(maxsize=1)
@@ -141,44 +150,58 @@ def _hook_lines(code: str, variant: Variant) -> dict:
 
 
 def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
-                tiles: Tiles | None = None) -> RenderedSource:
-    """CUDA source of one prefill or decode kernel."""
+                tiles: Tiles | None = None, kv_tag: str | None = None) -> RenderedSource:
+    """CUDA source of one prefill or decode kernel: q / o of dtype_tag ("f16" | "bf16") over a
+    KV cache of kv_tag (default the same; "e4m3": fp8, dequantized in shared memory)."""
+    kv_tag = kv_tag or dtype_tag
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: expected one of {KINDS}")
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim}: expected one of {HEAD_DIMS}")
     if dtype_tag not in ("f16", "bf16"):
         raise ValueError(f"dtype {dtype_tag!r}: expected 'f16' or 'bf16'")
+    if kv_tag not in (dtype_tag, "e4m3"):
+        raise ValueError(f"KV dtype {kv_tag!r}: expected {dtype_tag!r} (q's) or 'e4m3'")
     tiles = tiles or tiles_for(kind, head_dim)
     decls, names = _param_decls(variant, "cuda")
     entry = f"jitattn_{kind}"
     code = _environment().get_template("cuda/attention.cu.j2").render(
         version=__version__, kind=kind, variant=variant, dtype_tag=dtype_tag,
-        dtype=dtypes.CTYPE["cuda"][dtype_tag], head_dim=head_dim, num_warps=tiles.num_warps,
-        rows=tiles.rows, kv_tile=tiles.kv_tile, stages=tiles.stages, entry=entry, param_args=decls, param_names=names,
+        dtype=dtypes.CTYPE["cuda"][dtype_tag], kv_dtype=dtypes.CTYPE["cuda"][kv_tag],
+        head_dim=head_dim, num_warps=tiles.num_warps, rows=tiles.rows, kv_tile=tiles.kv_tile,
+        stages=tiles.stages, entry=entry, param_args=decls, param_names=names,
         variant_code=render_variant(variant, backend="cuda", head_dim=head_dim))
     return RenderedSource(
-        code=code, lang="cuda", name=f"{variant.key}-{kind}-{dtype_tag}-d{head_dim}",
+        code=code, lang="cuda", name=f"{variant.key}-{kind}-{dtype_tag}"
+        f"{'' if kv_tag == dtype_tag else '-kv_' + kv_tag}-d{head_dim}",
         entries=(entry,), include_dirs=_include_dirs("cuda"),
         headers_digest=_headers_digest("cuda"), hooks=_hook_lines(code, variant), kind=kind,
-        head_dim=head_dim, tiles=tiles)
+        head_dim=head_dim, tiles=tiles, kv_fp8=kv_tag == "e4m3")
+
+
+def cpu_entry(q_tag: str, kv_tag: str) -> str:
+    """The CPU library's entry point for q/o of q_tag over a KV cache of kv_tag."""
+    return f"jitattn_attention_{q_tag}" + ("" if kv_tag == q_tag else f"_kv_{kv_tag}")
 
 
 def render_cpu(variant: Variant, *, head_dim: int) -> RenderedSource:
-    """C++/OpenMP source of the CPU backend (fp16 and bf16 entry points in one library)."""
+    """C++/OpenMP source of the CPU backend: one library with an entry point per q dtype (fp16,
+    bf16) and KV-cache dtype (q's own, fp8 e4m3)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim}: expected one of {HEAD_DIMS}")
     decls, names = _param_decls(variant, "cpu")
-    entries = (("f16", "ja_f16"), ("bf16", "ja_bf16"))
+    # q/o dtype x KV dtype: the cache in q's dtype, or fp8 e4m3
+    entries = tuple((cpu_entry(q, kv), dtypes.CTYPE["cpu"][q], dtypes.CTYPE["cpu"][kv])
+                    for q in ("f16", "bf16") for kv in (q, "e4m3"))
     code = _environment().get_template("cpu/attention.cpp.j2").render(
         version=__version__, variant=variant, head_dim=head_dim, param_args=decls,
         param_names=names, entries=entries,
         variant_code=render_variant(variant, backend="cpu", head_dim=head_dim))
     return RenderedSource(
         code=code, lang="cpp", name=f"{variant.key}-cpu-d{head_dim}",
-        entries=tuple(f"jitattn_attention_{t}" for t, _ in entries),
-        include_dirs=_include_dirs("cpu"), headers_digest=_headers_digest("cpu"),
-        hooks=_hook_lines(code, variant), kind="cpu", head_dim=head_dim)
+        entries=tuple(e for e, _, _ in entries), include_dirs=_include_dirs("cpu"),
+        headers_digest=_headers_digest("cpu"), hooks=_hook_lines(code, variant), kind="cpu",
+        head_dim=head_dim)
 
 
 #: (input, output) dtype tags the merge kernels are built for: public merges keep the dtype,

@@ -75,12 +75,15 @@ def make_paged(kv_lens, hkv, head_dim, page_size, layout, dtype, device, seed, e
 
 
 def check_batch(wrapper, variant, params, q, kv_cache, qo_indptr, kv_indptr, kv_indices, last,
-                layout, **mask):
-    """Run a planned wrapper into NaN-poisoned outputs and compare with the reference."""
+                layout, ref_kv_cache=None, scales=None, **mask):
+    """Run a planned wrapper into NaN-poisoned outputs and compare with the reference (over
+    ref_kv_cache when given: the dequantized values of an fp8 kv_cache; scales: run()'s
+    k_scale / v_scale)."""
     out = torch.full(q.shape, math.nan, dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device)
-    wrapper.run(q, kv_cache, out=out, lse=lse, **params)
-    k, v, token_indptr = reference.paged_to_ragged(kv_cache, kv_indptr, kv_indices, last, layout)
+    wrapper.run(q, kv_cache, out=out, lse=lse, **(scales or {}), **params)
+    k, v, token_indptr = reference.paged_to_ragged(
+        kv_cache if ref_kv_cache is None else ref_kv_cache, kv_indptr, kv_indices, last, layout)
     ref_out, ref_lse = reference.attention(q, k, v, variant, qo_indptr=qo_indptr,
                                            kv_indptr=token_indptr, return_lse=True,
                                            mask_data=mask, **params)
@@ -104,3 +107,10 @@ def every_feature_variant(device):
                          pos_encoding=ja.RoPE(theta=1e4, style="gptj",
                                               scaling={"type": "linear", "factor": 2.0}))
     return variant, {"cap": 20.0, "slopes": ja.alibi_slopes(8).to(device)}
+
+
+def quantize_fp8(cache, scale: float):
+    """An fp8 e4m3 copy of a 16-bit cache tensor (values / scale) and its exact dequantized
+    values (fp8 * scale) in the cache's dtype; scale a power of two keeps that exact."""
+    fp8 = (cache.float() / scale).to(torch.float8_e4m3fn)
+    return fp8, (fp8.float() * scale).to(cache.dtype)

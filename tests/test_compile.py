@@ -66,7 +66,8 @@ def test_the_graph_holds_one_jitattn_op():
 
 def test_planned_wrappers_compile_fullgraph_and_follow_new_plans():
     """BatchDecode and SharedPrefixPrefill run() inside torch.compile(fullgraph) as one op
-    each; plan() between calls changes the lengths without a recompile (same tensor shapes)."""
+    each (the variant's scalar and run()'s v_scale pass through it); plan() between calls
+    changes the lengths without a recompile (same tensor shapes)."""
     i32 = dict(dtype=torch.int32)
     cap = ja.scalar("cap")
     variant = ja.Variant("softcap_runtime", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
@@ -81,7 +82,7 @@ def test_planned_wrappers_compile_fullgraph_and_follow_new_plans():
         return gm.forward
 
     def step(q, qs, ks, vs):
-        out, lse = decode.run(q, cache, return_lse=True, cap=25.0)
+        out, lse = decode.run(q, cache, return_lse=True, cap=25.0, v_scale=0.5)
         return out * 2, lse, shared.run(qs, ks, vs)
 
     compiled = torch.compile(step, fullgraph=True, backend=recording_backend)

@@ -1,6 +1,6 @@
 """BatchPrefill / BatchDecode on the GPU (``pytest -m gpu``): every built-in variant x fp16/bf16
 x NHD/HND x page sizes 1 and 16 against the reference; determinism; CUDA-graph replay across
-plans with different lengths."""
+plans with different lengths; fp8 e4m3 KV caches."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ import torch
 import jitattn as ja
 from jitattn import catalog, reference
 
-from helpers import TOL, check_batch, make_batch, make_paged
+from helpers import TOL, check_batch, make_batch, make_paged, quantize_fp8
 
 pytestmark = pytest.mark.gpu
 BUILTIN = catalog.builtin()
@@ -175,3 +175,32 @@ def test_batch_decode_under_inductor_fullgraph():
                32, 8, 128)
         with torch.inference_mode():
             torch.testing.assert_close(compiled(q), d.run(q, cache) * 1.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("layout, page_size", [("NHD", 16), ("HND", 1), ("NHD", 3)])
+def test_fp8_kv_cache_matches_reference(dtype, layout, page_size):
+    """fp8 e4m3 K/V (scales 0.5 / 2.0) against the reference over the dequantized cache, for
+    decode and prefill, every head_dim, a soft-cap variant."""
+    variant = ja.Variant("fp8_softcap", mask="causal", score_mod=ja.soft_cap(30.0))
+    scales = dict(k_scale=0.5, v_scale=2.0)
+    for head_dim, (hq, hkv) in ((128, (32, 8)), (64, (7, 1)), (256, (4, 4)), (32, (12, 12))):
+        for kind in ("decode", "prefill"):
+            qo_lens, kv_lens = (([1] * 6, [1, 5000, 0, 77, 300, 16]) if kind == "decode" else
+                                ([0, 1, 45, 130, 7], [5, 600, 30, 130, 2000]))
+            cache, kv_indptr, kv_indices, last = make_paged(kv_lens, hkv, head_dim, page_size,
+                                                            layout, dtype, "cuda", seed=head_dim)
+            (k8, k_ref), (v8, v_ref) = (quantize_fp8(c, scales[n]) for c, n in
+                                        zip(cache, ("k_scale", "v_scale")))
+            q, *_ = make_batch(qo_lens, kv_lens, hq, hkv, head_dim, dtype, "cuda", seed=3)
+            qo_indptr = _cumsum(qo_lens)
+            if kind == "decode":
+                w = ja.BatchDecode(variant, page_size=page_size, kv_layout=layout)
+                w.plan(kv_indptr, kv_indices, last, hq, hkv, head_dim, q_dtype=dtype,
+                       kv_dtype=torch.float8_e4m3fn)
+            else:
+                w = ja.BatchPrefill(variant, page_size=page_size, kv_layout=layout)
+                w.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hkv, head_dim,
+                       q_dtype=dtype, kv_dtype=torch.float8_e4m3fn)
+            check_batch(w, variant, {}, q, (k8, v8), qo_indptr, kv_indptr, kv_indices, last,
+                        layout, ref_kv_cache=(k_ref, v_ref), scales=scales)

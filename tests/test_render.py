@@ -41,12 +41,17 @@ REPRESENTATIVE = [("softcap", "prefill", "f16", 128), ("alibi", "decode", "bf16"
                   ("rope_llama", "prefill", "bf16", 256), ("document_mask", "decode", "f16", 256),
                   ("relative_position_bias", "prefill", "f16", 64),
                   ("sigmoid", "prefill", "bf16", 128), ("prefix_lm", "decode", "f16", 128)]
+# fp8 e4m3 KV caches: (variant, kind, q dtype, head_dim)
+FP8_KV = [("softcap", "decode", "f16", 128), ("alibi", "prefill", "bf16", 128),
+          ("sigmoid", "decode", "bf16", 256), ("rope_llama", "prefill", "f16", 32)]
 
 
 @needs_nvcc
-@pytest.mark.parametrize("name, kind, dtype_tag, head_dim", REPRESENTATIVE)
-def test_nvcc_compiles_sm90a(name, kind, dtype_tag, head_dim):
-    src = render.render_cuda(_example(name), kind=kind, dtype_tag=dtype_tag, head_dim=head_dim)
+@pytest.mark.parametrize("name, kind, dtype_tag, head_dim, kv_tag",
+                         [r + (None,) for r in REPRESENTATIVE] + [r + ("e4m3",) for r in FP8_KV])
+def test_nvcc_compiles_sm90a(name, kind, dtype_tag, head_dim, kv_tag):
+    src = render.render_cuda(_example(name), kind=kind, dtype_tag=dtype_tag, head_dim=head_dim,
+                             kv_tag=kv_tag)
     path, _ = jit.compile_cached(src, "sm_90a")
     assert path.stat().st_size > 1000
     assert path.read_bytes()[:4] == b"\x7fELF"  # a cubin is an ELF image

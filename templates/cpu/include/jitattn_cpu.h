@@ -10,6 +10,7 @@
 
 struct ja_f16 { uint16_t bits; };
 struct ja_bf16 { uint16_t bits; };
+struct ja_e4m3 { uint8_t bits; };  // fp8 e4m3 (OCP FP8, "fn": no infinities), KV caches only
 
 inline uint32_t ja_float_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float ja_bits_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -23,6 +24,17 @@ inline float ja_to_float(ja_f16 x) {
   // zero or subnormal: man * 2^-24
   const float mag = (float)man * 5.9604644775390625e-08f;
   return sign ? -mag : mag;
+}
+
+// e4m3: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal (man * 2^-9),
+// S.1111.111 is NaN; every other pattern is finite (OCP 8-bit floating point spec, 2023).
+inline float ja_to_float(ja_e4m3 x) {
+  const uint32_t exp = (x.bits >> 3) & 0xfu, man = x.bits & 0x7u;
+  const bool neg = x.bits & 0x80u;
+  if (exp == 0xfu && man == 0x7u) return ja_bits_float(0x7fc00000u);
+  const float mag = exp == 0 ? (float)man * 0.001953125f
+                             : ja_bits_float(((exp + 120u) << 23) | (man << 20));
+  return neg ? -mag : mag;
 }
 
 template <typename T> T ja_from_float(float f);

@@ -38,9 +38,9 @@ __device__ __forceinline__ void rope_tile(DType* s, int rows, Pos pos) {
   }
 }
 
-template <typename DType, int HEAD_DIM, int NUM_WARPS, int ROWS_WARP, int BLOCK_N, int STAGES,
-          bool SPLIT_KEYS>
-__device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams& p) {
+template <typename DType, typename KVType, int HEAD_DIM, int NUM_WARPS, int ROWS_WARP,
+          int BLOCK_N, int STAGES, bool SPLIT_KEYS>
+__device__ __forceinline__ void attend(const Args<DType, KVType>& a, const VariantParams& p) {
   constexpr int MT = ROWS_WARP / 16;       // 16-row blocks per warp: each K/V fragment feeds MT mmas
   constexpr int ROWS_CTA = SPLIT_KEYS ? ROWS_WARP : NUM_WARPS * ROWS_WARP;
   constexpr int KEYS_WARP = SPLIT_KEYS ? BLOCK_N / NUM_WARPS : BLOCK_N;  // of each K/V tile
@@ -51,13 +51,26 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
   constexpr int ND = HEAD_DIM / 8;         // 8-dim column blocks of O
   constexpr bool Q_IN_REGS = MT == 1 && HEAD_DIM <= 128;  // else re-read from shared memory
   constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+  // An fp8 KV cache is copied as it is into the stages and dequantized, a tile at a time, into
+  // one 16-bit K/V tile that the mmas read; a 16-bit cache is copied straight into the 16-bit
+  // stages (KV_FP8 false: the staged tiles are the 16-bit tiles).
+  constexpr bool KV_FP8 = sizeof(KVType) == 1;
+  constexpr int KV_ROW = KV_FP8 ? HEAD_DIM + 16 : ROW;      // elements per staged row
+  constexpr int KV_CHUNK = 16 / sizeof(KVType);              // elements per 16-byte copy
+  constexpr int KV_CHUNKS = HEAD_DIM / KV_CHUNK;             // copies per row
+  constexpr int KV_BYTES = (KV_FP8 ? 2 * BLOCK_N * ROW * (int)sizeof(DType) : 0) +
+                           STAGES * 2 * BLOCK_N * KV_ROW * (int)sizeof(KVType);
+  static_assert(sizeof(KVType) == 1 || sizeof(KVType) == sizeof(DType), "KV element type");
   static_assert(KEYS_WARP % 16 == 0 && HEAD_DIM % 16 == 0, "tile shapes");
   static_assert(!SPLIT_KEYS || (MT == 1 && NUM_WARPS * ROWS_WARP * (HEAD_DIM + 2) * 4 <=
-                                             STAGES * 2 * BLOCK_N * (HEAD_DIM + 8) * 2),
-                "split keys: one row block, the warps' states fit in the K/V stages");
+                                             KV_BYTES),
+                "split keys: one row block, the warps' states fit in the K/V buffers");
   extern __shared__ __align__(16) unsigned char smem[];
   DType* q_s = reinterpret_cast<DType*>(smem);  // [ROWS_CTA][ROW]
-  DType* kv_s = q_s + ROWS_CTA * ROW;            // [STAGES][K, V][BLOCK_N][ROW]
+  // 16-bit cache: [STAGES][K, V][BLOCK_N][ROW]; fp8: the dequantized [K, V][BLOCK_N][ROW]
+  DType* kv_s = q_s + ROWS_CTA * ROW;
+  // the staged tiles, [STAGES][K, V][BLOCK_N][KV_ROW] (16-bit cache: kv_s itself)
+  KVType* kv_stage = reinterpret_cast<KVType*>(KV_FP8 ? kv_s + 2 * BLOCK_N * ROW : kv_s);
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
   const int row_w = SPLIT_KEYS ? 0 : warp * ROWS_WARP;   // the warp's first row of the tile
   const int key_w = SPLIT_KEYS ? warp * KEYS_WARP : 0;   // and first key of each K/V tile
@@ -86,35 +99,54 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
       cp_async_16(q_s + r * ROW + c, src, valid);
     }
     cp_async_commit();
-    // A thread copies 16-byte column c of rows j0, j0 + THREADS / CHUNKS, ... of a K/V tile.
+    // A thread copies 16-byte column c of rows j0, j0 + THREADS / KV_CHUNKS, ... of a K/V tile.
     // The page-table lookups of all its rows are issued before any copy (one memory latency
     // per tile rather than one per row; looking a tile further ahead was measured no faster
     // on the H200 and costs registers, docs/performance.md v7).
     constexpr int THREADS = NUM_WARPS * WARP;
-    constexpr int ROWS_THREAD = BLOCK_N * CHUNKS / THREADS;
-    static_assert(THREADS % CHUNKS == 0 && BLOCK_N * CHUNKS % THREADS == 0, "copy layout");
-    const int j0 = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 8;
+    constexpr int ROWS_THREAD = BLOCK_N * KV_CHUNKS / THREADS;
+    static_assert(THREADS % KV_CHUNKS == 0 && BLOCK_N * KV_CHUNKS % THREADS == 0, "copy layout");
+    const int j0 = threadIdx.x / KV_CHUNKS, c = (threadIdx.x % KV_CHUNKS) * KV_CHUNK;
     int2 loc[ROWS_THREAD];  // (page, slot) of this thread's rows of the tile being copied
     auto lookup = [&](int tile) {
       const int t0 = range.x + tile * BLOCK_N;
 #pragma unroll
       for (int x = 0; x < ROWS_THREAD; ++x) {
-        const int j = t0 + j0 + x * (THREADS / CHUNKS);
+        const int j = t0 + j0 + x * (THREADS / KV_CHUNKS);
         loc[x] = j < range.y ? a.k_layout.locate(req.kv_start, j) : make_int2(-1, 0);
       }
     };
-    const DType* k_head = a.k + (long long)w.hk * a.k_layout.stride_h + c;
-    const DType* v_head = a.v + (long long)w.hk * a.v_layout.stride_h + c;
+    const KVType* k_head = a.k + (long long)w.hk * a.k_layout.stride_h + c;
+    const KVType* v_head = a.v + (long long)w.hk * a.v_layout.stride_h + c;
     auto copy_tile = [&](int stage) {
-      DType* k_s = kv_s + stage * 2 * BLOCK_N * ROW;
-      DType* v_s = k_s + BLOCK_N * ROW;
+      KVType* k_s = kv_stage + stage * 2 * BLOCK_N * KV_ROW;
+      KVType* v_s = k_s + BLOCK_N * KV_ROW;
 #pragma unroll
       for (int x = 0; x < ROWS_THREAD; ++x) {
-        const int j = j0 + x * (THREADS / CHUNKS);
+        const int j = j0 + x * (THREADS / KV_CHUNKS);
         const bool valid = loc[x].x >= 0;  // else zero-filled; the address is not read
         const int2 at = make_int2(max(loc[x].x, 0), loc[x].y);
-        cp_async_16(k_s + j * ROW + c, k_head + a.k_layout.row_offset(at), valid);
-        cp_async_16(v_s + j * ROW + c, v_head + a.v_layout.row_offset(at), valid);
+        cp_async_16(k_s + j * KV_ROW + c, k_head + a.k_layout.row_offset(at), valid);
+        cp_async_16(v_s + j * KV_ROW + c, v_head + a.v_layout.row_offset(at), valid);
+      }
+    };
+    // fp8: staged tile `stage` (K and V) into the 16-bit tile, 16 elements per step (zero-filled
+    // rows stay zero)
+    auto dequantize = [&](int stage) {
+      const KVType* src = kv_stage + stage * 2 * BLOCK_N * KV_ROW;
+      for (int i = threadIdx.x; i < 2 * BLOCK_N * KV_CHUNKS; i += THREADS) {
+        const int r = i / KV_CHUNKS, col = (i % KV_CHUNKS) * KV_CHUNK;  // r: K rows, then V
+        const uint4 x = *reinterpret_cast<const uint4*>(src + r * KV_ROW + col);
+        const unsigned w[4] = {x.x, x.y, x.z, x.w};
+        unsigned y[8];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          y[2 * e] = ja_e4m3x2_to<DType>((unsigned short)(w[e] & 0xffffu));
+          y[2 * e + 1] = ja_e4m3x2_to<DType>((unsigned short)(w[e] >> 16));
+        }
+        uint4* dst = reinterpret_cast<uint4*>(kv_s + r * ROW + col);
+        dst[0] = make_uint4(y[0], y[1], y[2], y[3]);
+        dst[1] = make_uint4(y[4], y[5], y[6], y[7]);
       }
     };
 #pragma unroll
@@ -170,7 +202,13 @@ __device__ __forceinline__ void attend(const Args<DType>& a, const VariantParams
       cp_async_commit();
       cp_async_wait<STAGES - 1>();  // tile `tile` has landed
       __syncthreads();
-      DType* k_s = kv_s + (tile % STAGES) * 2 * BLOCK_N * ROW;
+      DType* k_s = kv_s;
+      if constexpr (KV_FP8) {
+        dequantize(tile % STAGES);
+        __syncthreads();
+      } else {
+        k_s += (tile % STAGES) * 2 * BLOCK_N * ROW;
+      }
       const DType* v_s = k_s + BLOCK_N * ROW;
       const int t0 = range.x + tile * BLOCK_N;
       if constexpr (Variant::ROPE != 0) {

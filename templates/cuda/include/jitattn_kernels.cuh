@@ -10,11 +10,11 @@
 
 namespace ja {
 
-template <typename DType>
+template <typename DType, typename KVType = DType>
 struct Args {
   const DType* q;  // [total_q, num_qo_heads, HEAD_DIM], strides (q_stride_n, q_stride_h, 1)
-  const DType* k;  // ragged [total_kv, Hkv, D] or paged (NHD / HND), addressed through k_layout
-  const DType* v;
+  const KVType* k; // ragged [total_kv, Hkv, D] or paged (NHD / HND), addressed through k_layout;
+  const KVType* v; // DType, or fp8 e4m3 (dequantized to DType in shared memory)
   DType* o;        // [total_q, num_qo_heads, HEAD_DIM], contiguous
   float* lse;      // [total_q, num_qo_heads], natural log
   const int* qo_indptr;  // [batch + 1] or nullptr (single request or planned)
@@ -63,8 +63,8 @@ __device__ __forceinline__ int2 kv_range(const Request& req, int g, int row0, in
 }
 
 // Runs `body(work)` for every work item of this CTA (planned) or for the CTA's own tile.
-template <typename DType, typename Body>
-__device__ __forceinline__ void for_each_work(const Args<DType>& a, int rows_per_cta,
+template <typename A, typename Body>
+__device__ __forceinline__ void for_each_work(const A& a, int rows_per_cta,
                                               Body body) {
   if (a.items == nullptr) {
     // last row tiles first: under a causal mask they see the most keys

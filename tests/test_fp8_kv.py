@@ -1,0 +1,68 @@
+"""fp8 e4m3 KV caches in the batch wrappers (dequantized on load, scales at run()), against
+the reference over the dequantized cache, on the CPU backend."""
+
+import pytest
+import torch
+from helpers import check_batch, make_batch, make_paged, quantize_fp8
+
+import jitattn as ja
+
+FP8 = torch.float8_e4m3fn
+SCALES = dict(k_scale=0.5, v_scale=2.0)
+
+
+def _fp8_cache(kv_cache):
+    (k8, k_ref), (v8, v_ref) = (quantize_fp8(c, SCALES[s]) for c, s in
+                                zip(kv_cache, ("k_scale", "v_scale")))
+    return (k8, v8), (k_ref, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout, page_size", [("NHD", 16), ("HND", 1), ("NHD", 3)])
+def test_fp8_kv_decode_matches_reference(dtype, layout, page_size):
+    kv_lens = [1, 700, 33, 0, 129]   # one token, split across CTAs, empty, not page multiples
+    variant = ja.Variant("fp8_softcap", mask="causal", score_mod=ja.soft_cap(30.0))
+    kv_cache, kv_indptr, kv_indices, last = make_paged(kv_lens, 2, 128, page_size, layout,
+                                                       dtype, "cpu", seed=11)
+    cache8, cache_ref = _fp8_cache(kv_cache)
+    q, *_ = make_batch([1] * len(kv_lens), kv_lens, 8, 2, 128, dtype, "cpu", seed=12)
+    w = ja.BatchDecode(variant, page_size=page_size, kv_layout=layout, device="cpu")
+    w.plan(kv_indptr, kv_indices, last, 8, 2, 128, q_dtype=dtype, kv_dtype=FP8)
+    qo_indptr = torch.arange(len(kv_lens) + 1, dtype=torch.int32)
+    check_batch(w, variant, {}, q, cache8, qo_indptr, kv_indptr, kv_indices, last, layout,
+                ref_kv_cache=cache_ref, scales=SCALES)
+
+
+def test_fp8_kv_prefill_and_one_cache_tensor():
+    """Prefill (GQA 8/2, head_dim 64) over an fp8 cache given as one [pages, 2, ...] tensor."""
+    qo_lens, kv_lens = [5, 0, 1, 40, 17], [5, 9, 300, 40, 0]
+    variant = ja.Variant("fp8_causal", mask="causal")
+    kv_cache, kv_indptr, kv_indices, last = make_paged(kv_lens, 2, 64, 16, "NHD",
+                                                       torch.float16, "cpu", seed=13)
+    cache8, cache_ref = _fp8_cache(kv_cache)
+    q, *_ = make_batch(qo_lens, kv_lens, 8, 2, 64, torch.float16, "cpu", seed=14)
+    qo_indptr = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()], dtype=torch.int32)
+    w = ja.BatchPrefill(variant, page_size=16, device="cpu")
+    w.plan(qo_indptr, kv_indptr, kv_indices, last, 8, 2, 64, kv_dtype=FP8)
+    stacked = torch.stack(cache8, 1)  # [pages, 2, page_size, heads, head_dim]
+    check_batch(w, variant, {}, q, stacked, qo_indptr, kv_indptr, kv_indices, last, "NHD",
+                ref_kv_cache=cache_ref, scales=SCALES)
+
+
+def test_fp8_kv_errors_name_the_argument():
+    kv_cache, kv_indptr, kv_indices, last = make_paged([20, 7], 2, 64, 16, "NHD",
+                                                       torch.float16, "cpu", seed=15)
+    cache8, _ = _fp8_cache(kv_cache)
+    q = torch.randn(2, 4, 64, dtype=torch.float16)
+    w = ja.BatchDecode(ja.Variant("c", mask="causal"), page_size=16, device="cpu")
+    with pytest.raises(TypeError, match="kv_dtype"):
+        w.plan(kv_indptr, kv_indices, last, 4, 2, 64, q_dtype=FP8)
+    w.plan(kv_indptr, kv_indices, last, 4, 2, 64, kv_dtype=FP8)
+    with pytest.raises(TypeError, match="k_cache has dtype torch.float16; the plan was made "
+                                        "for kv_dtype=torch.float8_e4m3fn"):
+        w.run(q, kv_cache)
+    for bad in (0.0, -1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="k_scale="):
+            w.run(q, cache8, k_scale=bad)
+    out = w.run(q, cache8, v_scale=2.0)
+    torch.testing.assert_close(out, 2 * w.run(q, cache8), rtol=1e-3, atol=1e-3)
