@@ -417,6 +417,15 @@ class BatchPrefill:
                         k_scale=k_scale, v_scale=v_scale, **params)
 
 
+def reject_kv_scales(wrapper, params: dict) -> None:
+    """Cascades and shared-prefix prefill plan caches in q's dtype: their run() takes no
+    k_scale / v_scale (which BatchPrefill.run would otherwise apply from their **params)."""
+    for name in ("k_scale", "v_scale"):
+        if name in params and name not in wrapper.variant.runtime_param_names:
+            raise ValueError(f"{type(wrapper).__name__}.run() takes no {name}: fp8 KV caches "
+                             f"and their scales are BatchPrefill's and BatchDecode's")
+
+
 def _cache_tensors(kv_cache) -> list:
     return list(kv_cache) if isinstance(kv_cache, (tuple, list)) else [kv_cache]
 

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from . import ops
-from .batch import BatchDecode, BatchPrefill, _cache_tensors, resolve_device
+from .batch import BatchDecode, BatchPrefill, _cache_tensors, reject_kv_scales, resolve_device
 from .merge import merge_states
 from .shared_prefix import check_strategy
 from .spec import Variant
@@ -90,6 +90,7 @@ class MultiLevelCascade:
         level covers get out 0, lse -inf. Each level writes its state into one slab of a
         [levels, total_q, ...] buffer (consecutive rows in place, without copies), and one
         merge combines the slabs."""
+        reject_kv_scales(self, params)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
             o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2)
             return (o, s) if return_lse else o
@@ -229,6 +230,7 @@ class CascadeDecode(MultiLevelCascade):
     def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False, **params):
         """Attention of q [batch, heads, head_dim] over the shared prefix and each request's
         own pages (see MultiLevelCascade.run)."""
+        reject_kv_scales(self, params)
         if self.chosen == "plain" and not torch.compiler.is_compiling():
             return self.plain.run(q, kv_cache, return_lse=return_lse, **params)
         return super().run(q, kv_cache, return_lse=return_lse, **params)

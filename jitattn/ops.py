@@ -128,7 +128,13 @@ def _params_of(variant: Variant, tensors, scalars) -> dict:
 
 def wrapper_traced(wrapper, q, inputs, params, *, num_outputs: int, extra_scalars=()):
     """A wrapper's run() while torch.compile traces: one wrapper_run op on its handle.
-    extra_scalars: floats passed after the params to the wrapper's _run_eager."""
+    extra_scalars: floats passed after the params to the wrapper's _run_eager. Raises as the
+    eager run() would when params miss one of the variant's or add another."""
+    names = set(wrapper.variant.runtime_param_names)
+    if set(params) != names:  # the op passes scalars by position: a gap would shift them
+        raise ValueError(f"missing parameter(s) {sorted(names - set(params))} / unexpected "
+                         f"{sorted(set(params) - names)} for variant "
+                         f"{wrapper.variant.name!r}; it takes {sorted(names)}")
     tensors, scalars = _split_params(wrapper.variant, params)
     return _wrapper_run(wrapper._handle, q, list(inputs), tensors,
                         list(scalars) + [float(x) for x in extra_scalars], num_outputs)

@@ -41,10 +41,10 @@ class Tiles:
     def smem_bytes(self, kind: str, head_dim: int, kv_fp8: bool = False) -> int:
         """Dynamic shared memory in bytes: the Q tile and the stages of K and V tiles, 16-bit,
         in padded rows (decode reuses the stages to merge the warps' states). With an fp8 KV
-        cache the stages hold fp8 rows (16 bytes of padding) and one 16-bit K/V tile more
-        receives each dequantized tile."""
+        cache the stages hold unpadded fp8 rows and one 16-bit K/V tile more receives each
+        dequantized tile."""
         row = (head_dim + SMEM_ROW_PAD) * 2
-        kv = 2 * self.kv_tile * row + self.stages * 2 * self.kv_tile * (head_dim + 16) \
+        kv = 2 * self.kv_tile * row + self.stages * 2 * self.kv_tile * head_dim \
             if kv_fp8 else self.stages * 2 * self.kv_tile * row
         return self.rows_per_cta(kind) * row + kv
 

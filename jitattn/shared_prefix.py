@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import ops, tune
-from .batch import BatchPrefill, resolve_device
+from .batch import BatchPrefill, reject_kv_scales, resolve_device
 from .merge import merge_state_in_place
 from .prefix import multi_item_metadata
 from .render import tiles_for
@@ -252,6 +252,7 @@ class SharedPrefixPrefill:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **params) -> torch.Tensor:
         """q, k, v: [P + sum(S_i), heads, head_dim] in the deduplicated layout. Returns the
         attention output in that layout (each request's rows as if it ran on its own)."""
+        reject_kv_scales(self, params)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
             return ops.wrapper_traced(self, q, [k, v], params, num_outputs=1)[0]
         if not self._steps:

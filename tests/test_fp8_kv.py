@@ -66,3 +66,26 @@ def test_fp8_kv_errors_name_the_argument():
             w.run(q, cache8, k_scale=bad)
     out = w.run(q, cache8, v_scale=2.0)
     torch.testing.assert_close(out, 2 * w.run(q, cache8), rtol=1e-3, atol=1e-3)
+
+
+def test_scales_belong_to_the_batch_wrappers_and_compile_checks_parameters():
+    """Cascades and shared-prefix prefill refuse k_scale / v_scale (eager and compiled alike);
+    under torch.compile a missing variant parameter raises as in eager mode, instead of the
+    op's positional scalars shifting."""
+    cascade = ja.CascadeDecode(ja.Variant("c", mask="causal"), page_size=16, device="cpu")
+    with pytest.raises(ValueError, match="takes no k_scale"):
+        cascade.run(torch.zeros(1, 4, 64, dtype=torch.float16), None, k_scale=0.5)
+    shared = ja.SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu")
+    with pytest.raises(ValueError, match="takes no v_scale"):
+        shared.run(*(torch.zeros(1, 4, 64, dtype=torch.float16),) * 3, v_scale=2.0)
+    cap = ja.scalar("cap")
+    variant = ja.Variant("fp8_cap_runtime", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
+    kv_cache, kv_indptr, kv_indices, last = make_paged([20, 7], 2, 64, 16, "NHD",
+                                                       torch.float16, "cpu", seed=16)
+    w = ja.BatchDecode(variant, page_size=16, device="cpu")
+    w.plan(kv_indptr, kv_indices, last, 4, 2, 64)
+    q = torch.randn(2, 4, 64, dtype=torch.float16)
+    compiled = torch.compile(lambda q: w.run(q, kv_cache, k_scale=2.0), fullgraph=True,
+                             backend="aot_eager")
+    with pytest.raises(Exception, match=r"missing parameter\(s\) \['cap'\]"):
+        compiled(q)

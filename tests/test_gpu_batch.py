@@ -8,7 +8,8 @@ import torch
 import jitattn as ja
 from jitattn import catalog, reference
 
-from helpers import TOL, check_batch, make_batch, make_paged, quantize_fp8
+from helpers import (TOL, check_batch, every_feature_variant, make_batch, make_paged,
+                     quantize_fp8)
 
 pytestmark = pytest.mark.gpu
 BUILTIN = catalog.builtin()
@@ -204,3 +205,26 @@ def test_fp8_kv_cache_matches_reference(dtype, layout, page_size):
                        q_dtype=dtype, kv_dtype=torch.float8_e4m3fn)
             check_batch(w, variant, {}, q, (k8, v8), qo_indptr, kv_indptr, kv_indices, last,
                         layout, ref_kv_cache=(k_ref, v_ref), scales=scales)
+
+
+def test_fp8_kv_with_rope_beside_the_16_bit_kernel():
+    """One variant (fused RoPE, runtime parameters, window, mask_mod) over a 16-bit cache and
+    over its fp8 copy in one process: two kernels, each right (RoPE rotates the dequantized
+    K tile)."""
+    variant, params = every_feature_variant("cuda")
+    kv_lens, scales = [1, 900, 0, 77, 300], dict(k_scale=0.25, v_scale=4.0)
+    cache, kv_indptr, kv_indices, last = make_paged(kv_lens, 2, 64, 16, "NHD", torch.float16,
+                                                    "cuda", seed=21)
+    (k8, k_ref), (v8, v_ref) = (quantize_fp8(c, scales[n]) for c, n in
+                                zip(cache, ("k_scale", "v_scale")))
+    q, *_ = make_batch([1] * len(kv_lens), kv_lens, 8, 2, 64, torch.float16, "cuda", seed=22)
+    qo_indptr = _cumsum([1] * len(kv_lens))
+    for kv_dtype in (torch.float16, torch.float8_e4m3fn):
+        w = ja.BatchDecode(variant, page_size=16)
+        w.plan(kv_indptr, kv_indices, last, 8, 2, 64, kv_dtype=kv_dtype)
+        if kv_dtype == torch.float16:
+            check_batch(w, variant, params, q, cache, qo_indptr, kv_indptr, kv_indices, last,
+                        "NHD")
+        else:
+            check_batch(w, variant, params, q, (k8, v8), qo_indptr, kv_indptr, kv_indices,
+                        last, "NHD", ref_kv_cache=(k_ref, v_ref), scales=scales)

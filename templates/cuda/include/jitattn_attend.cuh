@@ -55,7 +55,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // one 16-bit K/V tile that the mmas read; a 16-bit cache is copied straight into the 16-bit
   // stages (KV_FP8 false: the staged tiles are the 16-bit tiles).
   constexpr bool KV_FP8 = sizeof(KVType) == 1;
-  constexpr int KV_ROW = KV_FP8 ? HEAD_DIM + 16 : ROW;      // elements per staged row
+  // elements per staged row: fp8 stages are read only by the dequantization (16 bytes per
+  // thread, whole rows per 8 lanes), so they need no padding against bank conflicts
+  constexpr int KV_ROW = KV_FP8 ? HEAD_DIM : ROW;
   constexpr int KV_CHUNK = 16 / sizeof(KVType);              // elements per 16-byte copy
   constexpr int KV_CHUNKS = HEAD_DIM / KV_CHUNK;             // copies per row
   constexpr int KV_BYTES = (KV_FP8 ? 2 * BLOCK_N * ROW * (int)sizeof(DType) : 0) +
