@@ -377,10 +377,12 @@ class BatchPrefill:
             o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2,
                                       extra_scalars=(k_scale, v_scale))
             return _into(o, s, out, lse, return_lse)
-        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name}={value!r}: expected a finite Python float > 0")
+        if type(k_scale) is not float or type(v_scale) is not float or \
+                k_scale != 1.0 or v_scale != 1.0:  # (the defaults need no check: host time)
+            for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                        not math.isfinite(value) or value <= 0:
+                    raise ValueError(f"{name}={value!r}: expected a finite Python float > 0")
         k_cache, v_cache = self._split_cache(kv_cache)
         self._check_run(q, k_cache, v_cache)
         pl, plan, ws = self._planned, self._plan, self._ws
@@ -420,6 +422,8 @@ class BatchPrefill:
 def reject_kv_scales(wrapper, params: dict) -> None:
     """Cascades and shared-prefix prefill plan caches in q's dtype: their run() takes no
     k_scale / v_scale (which BatchPrefill.run would otherwise apply from their **params)."""
+    if not params:
+        return
     for name in ("k_scale", "v_scale"):
         if name in params and name not in wrapper.variant.runtime_param_names:
             raise ValueError(f"{type(wrapper).__name__}.run() takes no {name}: fp8 KV caches "
