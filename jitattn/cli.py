@@ -115,7 +115,8 @@ def main(argv=None) -> int:
     b = sub.add_parser("compile", help="build the kernels of a variant file into the cache")
     b.add_argument("variant_file")
     b.add_argument("--head-dim", type=int, nargs="+", default=[128], choices=render.HEAD_DIMS)
-    b.add_argument("--dtype", nargs="+", default=["f16", "bf16"], choices=["f16", "bf16"])
+    b.add_argument("--dtype", nargs="+", default=["f16", "bf16"], choices=["f16", "bf16"],
+                   help="CUDA kernels' q dtypes (the CPU library holds every dtype)")
     b.add_argument("--kind", nargs="+", default=list(render.KINDS), choices=render.KINDS)
     b.add_argument("--arch", default="sm_90a", help="CUDA target, e.g. sm_90a, sm_80")
     b.add_argument("--cpu", action="store_true", help="build the CPU backend instead")

@@ -14,6 +14,8 @@ def alibi(score, b, h, q_idx, kv_idx):
 
 
 def make() -> ja.Variant:
+    """Causal ALiBi; run() / attention() take alibi_slopes [num_qo_heads] float32
+    (ja.alibi_slopes(n))."""
     return ja.Variant(name="alibi", mask="causal", score_mod=alibi)
 
 

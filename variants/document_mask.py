@@ -11,6 +11,8 @@ import jitattn as ja
 
 
 def make(doc_ids: torch.Tensor) -> ja.Variant:
+    """Causal attention within documents; doc_ids: one int id per token position (length
+    at least the longest kv_len), read at run time."""
     def same_document(b, h, q_idx, kv_idx):
         return doc_ids[q_idx] == doc_ids[kv_idx]
     return ja.Variant(name="document_mask", mask="causal", mask_mod=same_document)

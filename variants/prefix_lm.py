@@ -13,6 +13,7 @@ def prefix_lm(b, h, q_idx, kv_idx):
 
 
 def make() -> ja.Variant:
+    """Prefix-LM mask; run() / attention() take prefix_len [batch_size] int32."""
     return ja.Variant(name="prefix_lm", mask="none", mask_mod=prefix_lm)
 
 

@@ -10,6 +10,8 @@ import jitattn as ja
 
 
 def make(table: torch.Tensor) -> ja.Variant:
+    """Causal attention plus table[h, clipped relative position + max_distance]; table:
+    [num_qo_heads, 2 * max_distance + 1] of floats, read at run time."""
     max_distance = (table.shape[1] - 1) // 2
 
     def relative_bias(score, b, h, q_idx, kv_idx):

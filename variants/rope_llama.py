@@ -9,6 +9,8 @@ LLAMA3_SCALING = {"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
 
 
 def make(theta: float = 500000.0, scaling: dict | None = LLAMA3_SCALING) -> ja.Variant:
+    """Causal attention with RoPE fused on load (neox style), Llama 3.1 frequency scaling by
+    default; no run-time parameters."""
     return ja.Variant(name="rope_llama", mask="causal",
                       pos_encoding=ja.RoPE(theta=theta, style="neox", scaling=scaling))
 

@@ -14,6 +14,8 @@ def shifted(score, b, h, q_idx, kv_idx):
 
 
 def make() -> ja.Variant:
+    """Causal sigmoid attention; run() / attention() take the scalar bias (the paper:
+    -log(sequence length))."""
     return ja.Variant(name="sigmoid", mask="causal", score_mod=shifted, reduction="sigmoid")
 
 

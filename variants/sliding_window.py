@@ -7,6 +7,7 @@ import jitattn as ja
 
 
 def make(window_left: int = 1024) -> ja.Variant:
+    """Causal attention over the window_left keys before each query and itself."""
     return ja.Variant(name=f"sliding_window{window_left}", mask="causal", window_left=window_left)
 
 

@@ -4,6 +4,7 @@ import jitattn as ja
 
 
 def make(cap: float = 50.0) -> ja.Variant:
+    """Causal attention with logits soft-capped at cap (cap * tanh(score / cap))."""
     return ja.Variant(name=f"softcap{cap:g}", mask="causal", score_mod=ja.soft_cap(cap))
 
 
