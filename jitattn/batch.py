@@ -22,12 +22,12 @@ import torch
 
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
-from .plan import ITEM_FIELDS, REQUEST_FIELDS, Plan, make_plan
+from .plan import Plan, make_plan
 from .render import HEAD_DIMS, tiles_for
 from .spec import Variant
+from .workspace import Workspace
 
 LAYOUTS = ("NHD", "HND", "ragged")
-MAX_CTAS = 1 << 14  # persistent-grid CTAs the workspace's offset table can hold
 
 
 def _check_indptr(name: str, x: np.ndarray) -> None:
@@ -94,10 +94,8 @@ class BatchPrefill:
         self.capacity = dict(max_batch_size=max_batch_size, max_num_pages=max_num_pages,
                              max_work_items=max_work_items, max_partial_rows=max_partial_rows,
                              max_mask_bytes=max_mask_bytes, max_item_tokens=max_item_tokens)
-        self._mask_bits: torch.Tensor | None = None
-        self._token_pos: torch.Tensor | None = None
         self._plan: Plan | None = None
-        self._ws: dict | None = None
+        self._ws: Workspace | None = None
         self._planned: dict = {}
 
     # -- plan -------------------------------------------------------------------------------------
@@ -210,16 +208,12 @@ class BatchPrefill:
             raise ValueError(f"the plan needs {plan.num_partial_rows} partial rows, more than "
                              f"max_partial_rows={cap['max_partial_rows']} given to the "
                              f"constructor (or construct with split_kv=False)")
-        self._upload(plan, np.zeros(0, np.int32) if ragged else indices[:kv[-1]])
-        self._upload_mask(mask)
+        if self._ws is None:  # allocated once, at the first plan()
+            self._ws = Workspace(self.capacity, self.device)
+        self._ws.upload(plan, np.zeros(0, np.int32) if ragged else indices[:kv[-1]])
+        self._ws.upload_mask(mask)
         self._plan = plan
-        ws = self._ws
-        self._device_plan = launch.DevicePlan(
-            requests=self._view("requests"), items=self._view("items"),
-            cta_indptr=self._view("cta_indptr"), partial_o=ws["partial_o"],
-            partial_lse=ws["partial_lse"], num_items=plan.num_items, num_ctas=plan.num_ctas,
-            rows_per_cta=plan.rows_per_cta, mask_bits=self._mask_bits,
-            token_pos=self._token_pos)
+        self._device_plan = self._ws.device_plan(plan)
         self._planned = dict(
             total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, batch=batch,
@@ -228,19 +222,6 @@ class BatchPrefill:
             sizes=dict(batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                        qo_len=int(qo_lens.max(initial=0)), kv_len=int(kv_lens.max(initial=0))))
         return plan
-
-    def _upload_mask(self, mask: dict) -> None:
-        dev = self.device
-        if "bits" in mask:
-            if self._mask_bits is None:
-                self._mask_bits = torch.zeros(self.capacity["max_mask_bytes"], dtype=torch.uint8,
-                                              device=dev)
-            self._mask_bits[:len(mask["bits"])].copy_(torch.from_numpy(mask["bits"]))
-        if "pos" in mask:
-            if self._token_pos is None:
-                self._token_pos = torch.zeros(self.capacity["max_item_tokens"],
-                                              dtype=torch.int32, device=dev)
-            self._token_pos[:len(mask["pos"])].copy_(torch.from_numpy(mask["pos"]))
 
     def _num_ctas(self, kind, q_dtype, kv_dtype, head_dim) -> int:
         if self.device.type == "cpu":
@@ -251,62 +232,6 @@ class BatchPrefill:
                                 kv_tag=dtypes.kv_tag(kv_dtype))
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return sms * kernel.resident_ctas_per_sm()
-
-    def _workspace(self) -> dict:
-        """The device workspace, allocated once at the first plan() and never reallocated, so
-        that a captured CUDA graph's pointers stay valid: one int32 buffer carved into views
-        (request table, items, CTA offsets, merge map, page table, merge count) with a pinned
-        host twin, and float32 partial states sized for the largest head_dim."""
-        if self._ws is not None:
-            return self._ws
-        cap, dev = self.capacity, self.device
-        sizes = dict(merge_count=1, requests=REQUEST_FIELDS * cap["max_batch_size"],
-                     items=ITEM_FIELDS * cap["max_work_items"], cta_indptr=MAX_CTAS + 1,
-                     merge_indptr=cap["max_partial_rows"] + 1,
-                     merge_rows=cap["max_partial_rows"], merge_slots=cap["max_partial_rows"],
-                     kv_indices=cap["max_num_pages"])
-        views, offset = {}, 0
-        for name, n in sizes.items():
-            views[name] = (offset, n)
-            offset += -(-n // 4) * 4  # 16-byte aligned: the kernels read requests/items as int4
-        ints = torch.zeros(offset, dtype=torch.int32, device=dev)
-        self._ws = dict(
-            ints=ints, view_tensors={name: ints[o:o + n] for name, (o, n) in views.items()},
-            pinned=torch.zeros(offset, dtype=torch.int32, pin_memory=dev.type == "cuda"),
-            views=views,
-            partial_o=torch.empty(cap["max_partial_rows"] * max(HEAD_DIMS), dtype=torch.float32,
-                                  device=dev),
-            partial_lse=torch.empty(cap["max_partial_rows"], dtype=torch.float32, device=dev))
-        return self._ws
-
-    def _view(self, name: str) -> torch.Tensor:
-        return self._ws["view_tensors"][name]
-
-    def _upload(self, plan: Plan, kv_indices: np.ndarray) -> None:
-        """Copy a plan into the workspace: each view's used prefix, pinned host -> device, on
-        the wrapper's device's current stream (ordered before the next run())."""
-        if plan.num_ctas > MAX_CTAS:
-            raise ValueError(f"{plan.num_ctas} CTAs exceed the workspace's {MAX_CTAS}")
-        ws = self._workspace()
-        if ws.get("copied") is not None:
-            ws["copied"].synchronize()  # the previous plan's copy has left the pinned buffer
-        host = ws["pinned"].numpy()
-        for name, array in (("merge_count", np.array([len(plan.merge_rows)])),
-                            ("requests", plan.requests), ("items", plan.items),
-                            ("cta_indptr", plan.cta_indptr), ("merge_indptr", plan.merge_indptr),
-                            ("merge_rows", plan.merge_rows), ("merge_slots", plan.merge_slots),
-                            ("kv_indices", kv_indices)):
-            offset, n = ws["views"][name]
-            flat = np.asarray(array, dtype=np.int32).reshape(-1)
-            if len(flat) > n:
-                raise AssertionError(f"workspace view {name} holds {n}, plan needs {len(flat)}")
-            host[offset:offset + len(flat)] = flat
-            ws["ints"][offset:offset + len(flat)].copy_(ws["pinned"][offset:offset + len(flat)],
-                                                        non_blocking=True)
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
-                ws["copied"] = torch.cuda.Event()
-                ws["copied"].record(torch.cuda.current_stream(self.device))
 
     # -- run --------------------------------------------------------------------------------------
     def _split_cache(self, kv_cache):
@@ -392,7 +317,7 @@ class BatchPrefill:
         lse = launch.output_buffer("lse", lse, shape[:2], torch.float32, q.device)
         device_plan = self._device_plan
         kv = launch.KVView.ragged(k_cache, v_cache) if self.kv_layout == "ragged" else \
-            launch.KVView.paged(k_cache, v_cache, self._view("kv_indices"), self.kv_layout)
+            launch.KVView.paged(k_cache, v_cache, ws.view("kv_indices"), self.kv_layout)
         launch.run_attention(q, kv, out, lse, self.variant, bound,
                              num_kv_heads=pl["num_kv_heads"], kind=self._kind, plan=device_plan,
                              batch=pl["batch"], max_qo_len=pl["sizes"]["qo_len"],
@@ -402,12 +327,12 @@ class BatchPrefill:
         if capturing or len(plan.merge_rows):
             # always while a CUDA graph is captured: the row count is read on the device, so
             # the graph replays correctly after a plan with more (or fewer) merges
-            launch.run_merge(ws["partial_o"], ws["partial_lse"], out, lse,
+            launch.run_merge(ws.partial_o, ws.partial_lse, out, lse,
                              sigmoid=self.variant.reduction == "sigmoid",
-                             merge_indptr=self._view("merge_indptr"),
-                             merge_rows=self._view("merge_rows"),
-                             merge_slots=self._view("merge_slots"),
-                             num_merged_dev=self._view("merge_count"),
+                             merge_indptr=ws.view("merge_indptr"),
+                             merge_rows=ws.view("merge_rows"),
+                             merge_slots=ws.view("merge_slots"),
+                             num_merged_dev=ws.view("merge_count"),
                              grid_ctas=plan.num_ctas)
         if v_scale != 1.0:
             out.mul_(v_scale)

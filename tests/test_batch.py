@@ -265,8 +265,8 @@ def test_workspace_views_are_16_byte_aligned():
     _, kv_indptr, kv_indices, last = make_paged([3, 40], 2, 64, 16, "NHD", torch.float16, "cpu",
                                                 seed=0)
     w.plan(kv_indptr, kv_indices, last, 4, 2, 64)
-    for name in w._ws["views"]:
-        assert w._view(name).data_ptr() % 16 == 0, name
+    for name in w._ws.views:
+        assert w._ws.view(name).data_ptr() % 16 == 0, name
 
 
 def test_device_defaults_to_what_the_machine_has():
