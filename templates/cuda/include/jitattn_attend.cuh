@@ -245,10 +245,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
           unsigned kb[4];
           ldmatrix_x4(kb, k_frag_row + (nb2 * 16 * ROW + kk * 16) * E);
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma_16816<DType>(s[mt][2 * nb2], qa[mt], kb[0], kb[1]);
-            mma_16816<DType>(s[mt][2 * nb2 + 1], qa[mt], kb[2], kb[3]);
-          }
+          for (int mt = 0; mt < MT; ++mt)
+            mma_16816_x2<DType>(s[mt][2 * nb2], s[mt][2 * nb2 + 1], qa[mt], kb);
         }
       }
 
@@ -352,10 +350,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
           unsigned vb[4];
           ldmatrix_x4_trans(vb, v_frag_row + (kk * 16 * ROW + nd2 * 16) * E);
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma_16816<DType>(o[mt][2 * nd2], pa[mt], vb[0], vb[1]);
-            mma_16816<DType>(o[mt][2 * nd2 + 1], pa[mt], vb[2], vb[3]);
-          }
+          for (int mt = 0; mt < MT; ++mt)
+            mma_16816_x2<DType>(o[mt][2 * nd2], o[mt][2 * nd2 + 1], pa[mt], vb);
         }
       }
       __syncthreads();  // this stage is consumed before tile + STAGES is loaded into it

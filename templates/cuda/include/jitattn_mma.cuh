@@ -62,6 +62,13 @@ __device__ __forceinline__ unsigned pack2(float x, float y) {
 
 // 16 bytes global -> shared, bypassing L1; when !valid the destination is zero-filled and
 // nothing is read.
+// d0 += a b[0:2], d1 += a b[2:4]: the two 8-column blocks of one ldmatrix.x4 B fragment.
+template <typename DType>
+__device__ __forceinline__ void mma_16816_x2(float (&d0)[4], float (&d1)[4],
+                                             const unsigned (&a)[4], const unsigned (&b)[4]) {
+  mma_16816<DType>(d0, a, b[0], b[1]);
+  mma_16816<DType>(d1, a, b[2], b[3]);
+}
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
