@@ -22,6 +22,9 @@ import numpy as np
 
 KV_TILE = 64          # keys per K/V tile of the kernels (render.tiles_for; 32: d256 prefill)
 ITEM_FIELDS = 8       # int32 per work item on the device
+FILL_MARGIN = 0.02    # the linear partition (_fill) cuts more spans than longest-first placement,
+#                       and each cut costs a partial-state write and a merge the model omits;
+#                       it is taken only when its predicted makespan is this much shorter
 REQUEST_FIELDS = 8    # int32 per request on the device: q_start, q_len, kv_len, kv_start,
 #                       mask_offset (bytes into the packed custom mask), prefix_len,
 #                       token_pos_offset (into token_pos_in_items), unused
@@ -192,6 +195,45 @@ def _chunks(tiles: dict, cap: int) -> dict:
     return dict(tile=tile, lo=lo, hi=hi)
 
 
+def _fill(tiles: dict, num_ctas: int, fixed: float, beta: float):
+    """Cut the spans, laid end to end in span order, into ``num_ctas`` runs of equal cost
+    (a linear partition, as stream-K does for GEMM): CTA c takes everything between the
+    cost positions c * T and (c + 1) * T, T = total / C, cutting a span where a boundary falls
+    inside its keys (rounded to whole KV_TILE tiles from the span's start). A span costs
+    ``fixed + beta * len`` and every piece of a cut span pays ``fixed`` again. Unlike the
+    longest-first placement this needs no equal chunks, so one long span per CTA pair still
+    balances. Returns (chunks, cta of each chunk, processing order of each chunk, makespan)."""
+    lo, hi = tiles["lo"], tiles["hi"]
+    length = hi - lo
+    end = np.cumsum(fixed + beta * length.astype(np.float64))
+    start = end - (fixed + beta * length)
+    x = np.arange(1, num_ctas) * (end[-1] / num_ctas)        # CTA boundaries, in cost
+    span = np.searchsorted(end, x, side="right")
+    x, span = x[span < len(lo)], span[span < len(lo)]
+    keys = np.rint((x - start[span] - fixed) / beta / KV_TILE) * KV_TILE
+    keys = np.clip(keys, 0, length[span]).astype(np.int64)
+    # boundaries as one ordered scalar: span index, then keys into the span
+    scale = int(length.max(initial=0)) + 1
+    bound = span * scale + keys
+    inner = (keys > 0) & (keys < length[span])
+    cuts = np.unique(bound[inner])                            # interior cut points, sorted
+    cut_span, cut_at = cuts // scale, cuts % scale
+    count = 1 + np.bincount(cut_span, minlength=len(lo))
+    tile = np.repeat(np.arange(len(lo)), count)
+    j = np.arange(len(tile)) - np.repeat(np.cumsum(count) - count, count)
+    first = j == 0
+    piece_lo = np.zeros(len(tile), np.int64)
+    piece_lo[~first] = cut_at                                # cuts are in span order
+    piece_hi = np.append(piece_lo[1:], 0)
+    last = np.append(tile[1:] != tile[:-1], True)
+    piece_hi[last] = length[tile[last]]
+    chunks = dict(tile=tile, lo=lo[tile] + piece_lo, hi=lo[tile] + piece_hi)
+    cta = np.searchsorted(np.sort(bound), tile * scale + piece_lo, side="right")
+    costs = fixed + beta * (piece_hi - piece_lo).astype(np.float64)
+    makespan = float(np.bincount(cta, weights=costs, minlength=num_ctas).max(initial=0.0))
+    return chunks, cta, np.arange(len(tile)), makespan
+
+
 def _split_keys(tiles: dict, chunks: dict) -> np.ndarray:
     """Per chunk: whether its (b, hk, row0) tile has more than one chunk (writes partials)."""
     key = tiles["key"][chunks["tile"]]
@@ -281,6 +323,14 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
             continue  # its lower bound already loses to the best makespan
         cta, rank, makespan = _assign(costs, num_ctas)
         if best is None or makespan < best[0] - 1e-9:
+            best = (makespan, cap, chunks, split, costs, cta, rank)
+    if split_kv and len(tiles["lo"]) and num_ctas > 1:
+        chunks, cta, rank, makespan = _fill(tiles, num_ctas, alpha * rows_per_cta, beta)
+        split = _split_keys(tiles, chunks)
+        fits = max_partial_rows is None or int(split.sum()) * rows_per_cta <= max_partial_rows
+        if fits and makespan < best[0] * (1 - FILL_MARGIN):
+            cap = int((chunks["hi"] - chunks["lo"]).max())
+            costs = alpha * rows_per_cta + beta * (chunks["hi"] - chunks["lo"]).astype(np.float64)
             best = (makespan, cap, chunks, split, costs, cta, rank)
     _, cap, chunks, split, costs, cta, rank = best
 

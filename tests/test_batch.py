@@ -219,7 +219,7 @@ def test_mask_arguments_are_checked():
 
 def test_ragged_kv_prefill_matches_reference():
     variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
-    qo_lens, kv_lens = [3, 0, 50, 1], [9, 4, 50, 700]
+    qo_lens, kv_lens = [3, 0, 50, 1], [9, 4, 50, 2000]
     q, k, v, qo_indptr, kv_indptr = make_batch(qo_lens, kv_lens, 8, 2, 128, torch.float16,
                                                "cpu", seed=41)
     w = ja.BatchPrefill(variant, kv_layout="ragged", device="cpu")

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from jitattn import plan as plan_module
 from jitattn.plan import kv_window, make_plan
 
 
@@ -16,7 +17,10 @@ def random_batch(rng, batch):
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 100)])
-def test_every_query_key_pair_is_covered_exactly_once(seed, causal, window):
+@pytest.mark.parametrize("fill", [False, True], ids=["chosen", "linear-partition"])
+def test_every_query_key_pair_is_covered_exactly_once(seed, causal, window, fill, monkeypatch):
+    if fill:  # take the linear partition whenever it is feasible
+        monkeypatch.setattr(plan_module, "FILL_MARGIN", -1.0)
     rng = np.random.default_rng(seed)
     qo, kv = random_batch(rng, int(rng.integers(1, 12)))
     hq, hkv = [(8, 8), (8, 2), (7, 1)][seed % 3]
@@ -74,6 +78,18 @@ def test_long_request_is_split_across_ctas():
     long_items = plan.items[plan.items[:, 0] == 0]
     assert len(long_items) > 8 and (long_items[:, 5] >= 0).all()
     assert len(plan.merge_rows) == 32  # the long request's 32 query heads are merged
+
+
+def test_few_long_requests_take_the_linear_partition_and_balance():
+    """16 requests x 8 kv heads of 32768 keys on 264 CTAs: equal chunks leave waves (128 spans
+    do not divide evenly), the linear partition gives every CTA the average within one tile
+    and one item's fixed cost."""
+    plan = make_plan([1] * 16, [32768] * 16, [0] * 16, num_qo_heads=32, num_kv_heads=8,
+                     rows_per_cta=16, num_ctas=264, causal=True, window_left=None)
+    fixed, total = 16.0 * 16, 128 * (16.0 * 16 + 32768)
+    assert plan.cta_load.max() <= total / 264 + fixed + 64
+    assert plan.cta_load.min() >= total / 264 - 64
+    assert np.diff(plan.cta_indptr).max() <= 2
 
 
 def test_plot_writes_a_png(tmp_path):
