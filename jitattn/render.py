@@ -38,14 +38,20 @@ class Tiles:
     def rows_per_cta(self, kind: str) -> int:
         return self.num_warps * self.rows if kind == "prefill" else self.rows
 
-    def smem_bytes(self, kind: str, head_dim: int, kv_fp8: bool = False) -> int:
+    def smem_bytes(self, kind: str, head_dim: int, kv_fp8: bool = False,
+                   rope: bool = False) -> int:
         """Dynamic shared memory in bytes: the Q tile and the stages of K and V tiles, 16-bit,
         in padded rows (decode reuses the stages to merge the warps' states). With an fp8 KV
-        cache the stages hold unpadded fp8 rows and one 16-bit K/V tile more receives each
-        dequantized tile."""
+        cache the stages hold fp8 rows: decode without RoPE reads them as mma fragments, in
+        rows padded by 16 bytes; otherwise they are unpadded and one 16-bit K/V tile more
+        receives each dequantized tile."""
         row = (head_dim + SMEM_ROW_PAD) * 2
-        kv = 2 * self.kv_tile * row + self.stages * 2 * self.kv_tile * head_dim \
-            if kv_fp8 else self.stages * 2 * self.kv_tile * row
+        if not kv_fp8:
+            kv = self.stages * 2 * self.kv_tile * row
+        elif kind == "decode" and not rope:
+            kv = self.stages * 2 * self.kv_tile * (head_dim + 16)
+        else:
+            kv = 2 * self.kv_tile * row + self.stages * 2 * self.kv_tile * head_dim
         return self.rows_per_cta(kind) * row + kv
 
 
@@ -76,10 +82,12 @@ class RenderedSource:
     head_dim: int = 128
     tiles: Tiles | None = None
     kv_fp8: bool = False           # CUDA attention: the KV cache is fp8 e4m3
+    rope: bool = False             # the variant rotates Q and K (RoPE)
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of a CUDA attention kernel (0 without tiles)."""
-        return self.tiles.smem_bytes(self.kind, self.head_dim, self.kv_fp8) if self.tiles else 0
+        return self.tiles.smem_bytes(self.kind, self.head_dim, self.kv_fp8, self.rope) \
+            if self.tiles else 0
 
 
 @lru_cache(maxsize=1)
@@ -152,7 +160,7 @@ def _hook_lines(code: str, variant: Variant) -> dict:
 def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
                 tiles: Tiles | None = None, kv_tag: str | None = None) -> RenderedSource:
     """CUDA source of one prefill or decode kernel: q / o of dtype_tag ("f16" | "bf16") over a
-    KV cache of kv_tag (default the same; "e4m3": fp8, dequantized in shared memory)."""
+    KV cache of kv_tag (default the same; "e4m3": fp8, dequantized on load)."""
     kv_tag = kv_tag or dtype_tag
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: expected one of {KINDS}")
@@ -176,7 +184,8 @@ def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
         f"{'' if kv_tag == dtype_tag else '-kv_' + kv_tag}-d{head_dim}",
         entries=(entry,), include_dirs=_include_dirs("cuda"),
         headers_digest=_headers_digest("cuda"), hooks=_hook_lines(code, variant), kind=kind,
-        head_dim=head_dim, tiles=tiles, kv_fp8=kv_tag == "e4m3")
+        head_dim=head_dim, tiles=tiles, kv_fp8=kv_tag == "e4m3",
+        rope=variant.pos_encoding is not None)
 
 
 def cpu_entry(q_tag: str, kv_tag: str) -> str:

@@ -21,11 +21,11 @@
 namespace ja {
 
 // Rotate rows [0, rows) of a 16-bit tile in shared memory (RoFormer eq. 34); pos(r) is the
-// position of row r, or -1 to leave it.
+// position of row r, or -1 to leave it. Threads tid of nthreads share the work.
 template <typename DType, int HEAD_DIM, int ROW, typename Pos>
-__device__ __forceinline__ void rope_tile(DType* s, int rows, Pos pos) {
+__device__ __forceinline__ void rope_tile(DType* s, int rows, Pos pos, int tid, int nthreads) {
   if constexpr (Variant::ROPE != 0) {
-    for (int i = threadIdx.x; i < rows * HEAD_DIM / 2; i += blockDim.x) {
+    for (int i = tid; i < rows * HEAD_DIM / 2; i += nthreads) {
       const int r = i / (HEAD_DIM / 2), pair = i % (HEAD_DIM / 2);
       const int position = pos(r);
       if (position < 0) continue;
@@ -51,16 +51,24 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   constexpr int ND = HEAD_DIM / 8;         // 8-dim column blocks of O
   constexpr bool Q_IN_REGS = MT == 1 && HEAD_DIM <= 128;  // else re-read from shared memory
   constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
-  // An fp8 KV cache is copied as it is into the stages and dequantized, a tile at a time, into
-  // one 16-bit K/V tile that the mmas read; a 16-bit cache is copied straight into the 16-bit
-  // stages (KV_FP8 false: the staged tiles are the 16-bit tiles).
+  // An fp8 KV cache is copied as it is into the stages. Decode (FP8_REGS) converts it in
+  // registers straight into the mma's B fragments: each lane reads the bytes of its fragments
+  // with 16-byte loads, in a column order permuted so that they are contiguous (the same
+  // permutation applied to Q's columns leaves Q K^T unchanged; applied to V's columns it
+  // permutes O's, which the store undoes). Prefill, and RoPE variants (which rotate K in
+  // shared memory), dequantize a tile at a time into one 16-bit K/V tile that ldmatrix reads.
+  // A 16-bit cache is copied straight into the 16-bit stages (the staged tiles are the
+  // 16-bit tiles).
   constexpr bool KV_FP8 = sizeof(KVType) == 1;
-  // elements per staged row: fp8 stages are read only by the dequantization (16 bytes per
-  // thread, whole rows per 8 lanes), so they need no padding against bank conflicts
-  constexpr int KV_ROW = KV_FP8 ? HEAD_DIM : ROW;
+  constexpr bool FP8_REGS = KV_FP8 && SPLIT_KEYS && Variant::ROPE == 0;
+  constexpr bool FP8_TILE = KV_FP8 && !FP8_REGS;
+  // elements per staged row: fp8 stages read by the dequantization (16 bytes per thread, whole
+  // rows per 8 lanes) need no padding against bank conflicts; those read as fragments (8 rows
+  // at one column per access phase) are padded by 16 bytes
+  constexpr int KV_ROW = KV_FP8 ? HEAD_DIM + (FP8_REGS ? 16 : 0) : ROW;
   constexpr int KV_CHUNK = 16 / sizeof(KVType);              // elements per 16-byte copy
   constexpr int KV_CHUNKS = HEAD_DIM / KV_CHUNK;             // copies per row
-  constexpr int KV_BYTES = (KV_FP8 ? 2 * BLOCK_N * ROW * (int)sizeof(DType) : 0) +
+  constexpr int KV_BYTES = (FP8_TILE ? 2 * BLOCK_N * ROW * (int)sizeof(DType) : 0) +
                            STAGES * 2 * BLOCK_N * KV_ROW * (int)sizeof(KVType);
   static_assert(sizeof(KVType) == 1 || sizeof(KVType) == sizeof(DType), "KV element type");
   static_assert(KEYS_WARP % 16 == 0 && HEAD_DIM % 16 == 0, "tile shapes");
@@ -69,10 +77,10 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
                 "split keys: one row block, the warps' states fit in the K/V buffers");
   extern __shared__ __align__(16) unsigned char smem[];
   DType* q_s = reinterpret_cast<DType*>(smem);  // [ROWS_CTA][ROW]
-  // 16-bit cache: [STAGES][K, V][BLOCK_N][ROW]; fp8: the dequantized [K, V][BLOCK_N][ROW]
+  // 16-bit cache: [STAGES][K, V][BLOCK_N][ROW]; FP8_TILE: the dequantized [K, V][BLOCK_N][ROW]
   DType* kv_s = q_s + ROWS_CTA * ROW;
-  // the staged tiles, [STAGES][K, V][BLOCK_N][KV_ROW] (16-bit cache: kv_s itself)
-  KVType* kv_stage = reinterpret_cast<KVType*>(KV_FP8 ? kv_s + 2 * BLOCK_N * ROW : kv_s);
+  // the staged tiles, [STAGES][K, V][BLOCK_N][KV_ROW] (16-bit cache and FP8_REGS: at kv_s)
+  KVType* kv_stage = reinterpret_cast<KVType*>(FP8_TILE ? kv_s + 2 * BLOCK_N * ROW : kv_s);
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
   const int row_w = SPLIT_KEYS ? 0 : warp * ROWS_WARP;   // the warp's first row of the tile
   const int key_w = SPLIT_KEYS ? warp * KEYS_WARP : 0;   // and first key of each K/V tile
@@ -101,20 +109,32 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       cp_async_16(q_s + r * ROW + c, src, valid);
     }
     cp_async_commit();
-    // A thread copies 16-byte column c of rows j0, j0 + THREADS / KV_CHUNKS, ... of a K/V tile.
+    // A thread copies 16-byte column c of rows j0, j0 + COPY_THREADS / KV_CHUNKS, ... of a K/V
+    // tile: the CTA's threads copy the whole tile (prefill), or under SPLIT_KEYS each warp its
+    // own KEYS_WARP rows, so that a warp waits for and reads only what it copied and the tile
+    // loop needs no block barrier (decode; warps drift apart within the ring of stages).
     // The page-table lookups of all its rows are issued before any copy (one memory latency
     // per tile rather than one per row; looking a tile further ahead was measured no faster
     // on the H200 and costs registers, docs/performance.md v7).
-    constexpr int THREADS = NUM_WARPS * WARP;
-    constexpr int ROWS_THREAD = BLOCK_N * KV_CHUNKS / THREADS;
-    static_assert(THREADS % KV_CHUNKS == 0 && BLOCK_N * KV_CHUNKS % THREADS == 0, "copy layout");
-    const int j0 = threadIdx.x / KV_CHUNKS, c = (threadIdx.x % KV_CHUNKS) * KV_CHUNK;
+    constexpr int COPY_THREADS = SPLIT_KEYS ? WARP : NUM_WARPS * WARP;
+    constexpr int COPY_ROWS = SPLIT_KEYS ? KEYS_WARP : BLOCK_N;
+    constexpr int ROWS_THREAD = COPY_ROWS * KV_CHUNKS / COPY_THREADS;
+    static_assert(COPY_THREADS % KV_CHUNKS == 0 && COPY_ROWS * KV_CHUNKS % COPY_THREADS == 0,
+                  "copy layout");
+    const unsigned copy_tid = SPLIT_KEYS ? threadIdx.x % WARP : threadIdx.x;
+    const int j0 = key_w + copy_tid / KV_CHUNKS, c = (copy_tid % KV_CHUNKS) * KV_CHUNK;
+    // the barrier between a tile's copy and its use, and between its use and the next copy
+    // into its stage
+    auto tile_barrier = [] {
+      if constexpr (SPLIT_KEYS) __syncwarp();
+      else __syncthreads();
+    };
     int2 loc[ROWS_THREAD];  // (page, slot) of this thread's rows of the tile being copied
     auto lookup = [&](int tile) {
       const int t0 = range.x + tile * BLOCK_N;
 #pragma unroll
       for (int x = 0; x < ROWS_THREAD; ++x) {
-        const int j = t0 + j0 + x * (THREADS / KV_CHUNKS);
+        const int j = t0 + j0 + x * (COPY_THREADS / KV_CHUNKS);
         loc[x] = j < range.y ? a.k_layout.locate(req.kv_start, j) : make_int2(-1, 0);
       }
     };
@@ -125,19 +145,20 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       KVType* v_s = k_s + BLOCK_N * KV_ROW;
 #pragma unroll
       for (int x = 0; x < ROWS_THREAD; ++x) {
-        const int j = j0 + x * (THREADS / KV_CHUNKS);
+        const int j = j0 + x * (COPY_THREADS / KV_CHUNKS);
         const bool valid = loc[x].x >= 0;  // else zero-filled; the address is not read
         const int2 at = make_int2(max(loc[x].x, 0), loc[x].y);
         cp_async_16(k_s + j * KV_ROW + c, k_head + a.k_layout.row_offset(at), valid);
         cp_async_16(v_s + j * KV_ROW + c, v_head + a.v_layout.row_offset(at), valid);
       }
     };
-    // fp8: staged tile `stage` (K and V) into the 16-bit tile, 16 elements per step (zero-filled
-    // rows stay zero)
+    // fp8: the copied rows of staged tile `stage` (K and V) into the 16-bit tile, 16 elements
+    // per step (zero-filled rows stay zero)
     auto dequantize = [&](int stage) {
       const KVType* src = kv_stage + stage * 2 * BLOCK_N * KV_ROW;
-      for (int i = threadIdx.x; i < 2 * BLOCK_N * KV_CHUNKS; i += THREADS) {
-        const int r = i / KV_CHUNKS, col = (i % KV_CHUNKS) * KV_CHUNK;  // r: K rows, then V
+      for (int i = copy_tid; i < 2 * COPY_ROWS * KV_CHUNKS; i += COPY_THREADS) {
+        const int rc = i / KV_CHUNKS, col = (i % KV_CHUNKS) * KV_CHUNK;  // K rows, then V
+        const int r = rc < COPY_ROWS ? key_w + rc : BLOCK_N + key_w + rc - COPY_ROWS;
         const uint4 x = *reinterpret_cast<const uint4*>(src + r * KV_ROW + col);
         const unsigned w[4] = {x.x, x.y, x.z, x.w};
         unsigned y[8];
@@ -163,7 +184,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     __syncthreads();
     rope_tile<DType, HEAD_DIM, ROW>(q_s, ROWS_CTA, [&](int r) {
       return w.row0 + r < packed_rows ? req.kv_len - req.q_len + (w.row0 + r) / g : -1;
-    });
+    }, threadIdx.x, blockDim.x);
     if constexpr (Variant::ROPE != 0) __syncthreads();
 
     const DType* q_warp = q_s + row_w * ROW;
@@ -171,10 +192,22 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     // kk * 16 + (lane / 16) * 8
     constexpr int E = sizeof(DType);  // bytes per element: fragment addresses are in bytes
     const unsigned q_frag_row = smem_addr(q_warp + (lane % 16) * ROW + (lane / 16) * 8);
+    // FP8_REGS: the A fragment of k-step kk in K's permuted column order (see the S loop):
+    // the pairs (2t, 2t + 1) and (2t + 8, 2t + 9) are physical columns 4 KD t + 4 kk + (0, 1)
+    // and (2, 3), t = lane % 4
+    const DType* q_perm = q_warp + (lane / 4) * ROW + 4 * KD * (lane % 4);
+    auto q_frag_permuted = [&](int kk, unsigned (&qa)[4]) {
+      const uint2 lo = *reinterpret_cast<const uint2*>(q_perm + 4 * kk);
+      const uint2 hi = *reinterpret_cast<const uint2*>(q_perm + 8 * ROW + 4 * kk);
+      qa[0] = lo.x, qa[1] = hi.x, qa[2] = lo.y, qa[3] = hi.y;
+    };
     unsigned q_reg[Q_IN_REGS ? KD : 1][4];
     if constexpr (Q_IN_REGS) {
 #pragma unroll
-      for (int kk = 0; kk < KD; ++kk) ldmatrix_x4(q_reg[kk], q_frag_row + kk * 16 * E);
+      for (int kk = 0; kk < KD; ++kk) {
+        if constexpr (FP8_REGS) q_frag_permuted(kk, q_reg[kk]);
+        else ldmatrix_x4(q_reg[kk], q_frag_row + kk * 16 * E);
+      }
     }
     // this thread's rows: row_w + mt * 16 + lane / 4 (+ 8 for h = 1)
     RowInfo ri[MT][2];
@@ -203,19 +236,23 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       }
       cp_async_commit();
       cp_async_wait<STAGES - 1>();  // tile `tile` has landed
-      __syncthreads();
+      tile_barrier();
       DType* k_s = kv_s;
-      if constexpr (KV_FP8) {
+      const KVType* k8_s = kv_stage + (tile % STAGES) * 2 * BLOCK_N * KV_ROW;  // FP8_REGS
+      const KVType* v8_s = k8_s + BLOCK_N * KV_ROW;
+      if constexpr (FP8_TILE) {
         dequantize(tile % STAGES);
-        __syncthreads();
-      } else {
+        tile_barrier();
+      } else if constexpr (!KV_FP8) {
         k_s += (tile % STAGES) * 2 * BLOCK_N * ROW;
       }
       const DType* v_s = k_s + BLOCK_N * ROW;
       const int t0 = range.x + tile * BLOCK_N;
-      if constexpr (Variant::ROPE != 0) {
-        rope_tile<DType, HEAD_DIM, ROW>(k_s, BLOCK_N, [&](int j) { return t0 + j; });
-        __syncthreads();
+      if constexpr (Variant::ROPE != 0) {  // the copied rows
+        rope_tile<DType, HEAD_DIM, ROW>(k_s + key_w * ROW, COPY_ROWS,
+                                        [&](int j) { return t0 + key_w + j; }, copy_tid,
+                                        COPY_THREADS);
+        tile_barrier();
       }
 
       // S = Q K^T: B operand of key block pair (2 nb2, 2 nb2 + 1) from one ldmatrix.x4
@@ -228,8 +265,34 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
           for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
       const unsigned k_frag_row =
           smem_addr(k_s + (key_w + (lane % 8) + (lane / 16) * 8) * ROW + ((lane / 8) % 2) * 8);
+      if constexpr (FP8_REGS) {
+        // B fragments of keys n = lane / 4 and n + 8 of each 16-key block: this lane's 4 KD
+        // bytes of each row, k-step kk in bytes 4 kk .. 4 kk + 3 (low pair, then high pair)
 #pragma unroll
-      for (int kk = 0; kk < KD; ++kk) {
+        for (int nb2 = 0; nb2 < NB / 2; ++nb2) {
+          unsigned kw[2][KD];
+#pragma unroll
+          for (int x = 0; x < 2; ++x)
+            load_words<KD>(kw[x], k8_s + (key_w + nb2 * 16 + lane / 4 + 8 * x) * KV_ROW +
+                                      4 * KD * (lane % 4));
+#pragma unroll
+          for (int kk = 0; kk < KD; ++kk) {
+            unsigned qa[4];
+            if constexpr (Q_IN_REGS) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) qa[e] = q_reg[kk][e];
+            } else {
+              q_frag_permuted(kk, qa);
+            }
+            const unsigned kb[4] = {
+                ja_e4m3x2_to<DType>(kw[0][kk] & 0xffffu), ja_e4m3x2_to<DType>(kw[0][kk] >> 16),
+                ja_e4m3x2_to<DType>(kw[1][kk] & 0xffffu), ja_e4m3x2_to<DType>(kw[1][kk] >> 16)};
+            mma_16816_x2<DType>(s[0][2 * nb2], s[0][2 * nb2 + 1], qa, kb);
+          }
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < (FP8_REGS ? 0 : KD); ++kk) {
         unsigned qa[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -333,10 +396,42 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       }
 
       // O += P V: P's accumulator fragments are the A operand of the next mma (16 keys a step)
+      if constexpr (FP8_REGS) {
+        // B fragments: keys (2t, 2t + 1) and (2t + 8, 2t + 9) of each 16-key step, t = lane % 4,
+        // at logical column lane / 4 of every 8-column block n, physical column
+        // ND * (lane / 4) + n: a lane's ND bytes of each of its four key rows are contiguous
+#pragma unroll
+        for (int kk = 0; kk < KEYS_WARP / 16; ++kk) {
+          unsigned pa[4];
+          pa[0] = pack2<DType>(s[0][2 * kk][0], s[0][2 * kk][1]);
+          pa[1] = pack2<DType>(s[0][2 * kk][2], s[0][2 * kk][3]);
+          pa[2] = pack2<DType>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+          pa[3] = pack2<DType>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+          unsigned vw[4][ND / 4];  // rows 2t, 2t + 1, 2t + 8, 2t + 9
+#pragma unroll
+          for (int x = 0; x < 4; ++x)
+            load_words<ND / 4>(vw[x], v8_s + (key_w + kk * 16 + 2 * (lane % 4) + (x % 2) +
+                                              8 * (x / 2)) * KV_ROW + ND * (lane / 4));
+#pragma unroll
+          for (int wd = 0; wd < ND / 4; ++wd)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              // bytes j, j + 1 of two rows interleaved: (row a j, row b j, row a j+1, row b j+1)
+              const unsigned sel = hh ? 0x7362u : 0x5140u;
+              const unsigned lo = __byte_perm(vw[0][wd], vw[1][wd], sel);
+              const unsigned hi = __byte_perm(vw[2][wd], vw[3][wd], sel);
+              const int n = 4 * wd + 2 * hh;
+              mma_16816<DType>(o[0][n], pa, ja_e4m3x2_to<DType>(lo & 0xffffu),
+                               ja_e4m3x2_to<DType>(hi & 0xffffu));
+              mma_16816<DType>(o[0][n + 1], pa, ja_e4m3x2_to<DType>(lo >> 16),
+                               ja_e4m3x2_to<DType>(hi >> 16));
+            }
+        }
+      }
       const unsigned v_frag_row =
           smem_addr(v_s + (key_w + (lane % 8) + ((lane / 8) % 2) * 8) * ROW + (lane / 16) * 8);
 #pragma unroll
-      for (int kk = 0; kk < KEYS_WARP / 16; ++kk) {
+      for (int kk = 0; kk < (FP8_REGS ? 0 : KEYS_WARP / 16); ++kk) {
         unsigned pa[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -354,7 +449,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
             mma_16816_x2<DType>(o[mt][2 * nd2], o[mt][2 * nd2 + 1], pa[mt], vb);
         }
       }
-      __syncthreads();  // this stage is consumed before tile + STAGES is loaded into it
+      tile_barrier();  // this stage is consumed before tile + STAGES is loaded into it
     }
     cp_async_wait<0>();
 
@@ -397,17 +492,24 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
                                      : (Variant::SIGMOID ? logf(lr) : m[mt][h] * LN2 + logf(lr)));
         }
     } else {
-      // merge the warps' states of the same rows through shared memory (the K/V stages are
-      // free: the last tile ended with a barrier): per warp and row, o then m (log2) and l
+      // merge the warps' states of the same rows through shared memory, in the K/V stages
+      // once every warp is done with them: per warp and row, o then m (log2) and l
       constexpr int RED = HEAD_DIM + 2;
       float* red = reinterpret_cast<float*>(kv_s);
+      __syncthreads();
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float* dst = red + (warp * ROWS_WARP + lane / 4 + 8 * h) * RED;
 #pragma unroll
-        for (int n = 0; n < ND; ++n)
-          *reinterpret_cast<float2*>(dst + n * 8 + (lane % 4) * 2) =
-              make_float2(o[0][n][2 * h], o[0][n][2 * h + 1]);
+        for (int n = 0; n < ND; ++n) {
+          if constexpr (FP8_REGS) {  // logical column c of block n is physical ND c + n
+            dst[ND * (lane % 4) * 2 + n] = o[0][n][2 * h];
+            dst[ND * ((lane % 4) * 2 + 1) + n] = o[0][n][2 * h + 1];
+          } else {
+            *reinterpret_cast<float2*>(dst + n * 8 + (lane % 4) * 2) =
+                make_float2(o[0][n][2 * h], o[0][n][2 * h + 1]);
+          }
+        }
         if (lane % 4 == 0) {
           dst[HEAD_DIM] = m[0][h];
           dst[HEAD_DIM + 1] = l[0][h];

@@ -69,6 +69,27 @@ __device__ __forceinline__ void mma_16816_x2(float (&d0)[4], float (&d1)[4],
   mma_16816<DType>(d0, a, b[0], b[1]);
   mma_16816<DType>(d1, a, b[2], b[3]);
 }
+// N consecutive 32-bit words from shared memory at p (4N-byte aligned), in 16-byte loads
+// where N allows
+template <int N>
+__device__ __forceinline__ void load_words(unsigned (&w)[N], const void* p) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const uint4 x = reinterpret_cast<const uint4*>(p)[i];
+      w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
+    }
+  } else if constexpr (N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const uint2 x = reinterpret_cast<const uint2*>(p)[i];
+      w[2 * i] = x.x, w[2 * i + 1] = x.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = reinterpret_cast<const unsigned*>(p)[i];
+  }
+}
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
