@@ -6,6 +6,7 @@ kind, dtype, head_dim, device), so a warm call never renders, hashes or touches 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -33,6 +34,7 @@ def _say(msg: str) -> None:
     log.info(msg)
 
 
+@functools.lru_cache(maxsize=None)
 def device_arch(device_index: int) -> str:
     """``sm_90a`` on Hopper (arch-specific features: wgmma, setmaxnreg), else ``sm_XY``."""
     import torch
@@ -104,7 +106,9 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
     """A loaded kernel for this specialisation (CudaKernel or CpuKernel), memoised. kv_tag:
     the KV cache's dtype tag when it differs from dtype_tag ("e4m3")."""
     kv_tag = kv_tag or dtype_tag
-    tiles = render.tiles_for(kind, head_dim)
+    arch = device_arch(device_index) if backend != "cpu" else None
+    tiles = render.tiles_for(kind, head_dim, arch=arch, kv_fp8=kv_tag == "e4m3",
+                             rope=variant.pos_encoding is not None)
     memo_key = (variant.key, backend, head_dim) if backend == "cpu" else (
         variant.key, backend, kind, dtype_tag, kv_tag, head_dim, tiles, device_index)
     kernel = _MEMO.get(memo_key)
@@ -115,7 +119,6 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
         path, _ = compile_cached(src, None)
         kernel = load.load_cpu(path, src)
     else:
-        arch = device_arch(device_index)
         src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag, head_dim=head_dim,
                                  tiles=tiles, kv_tag=kv_tag)
         path, _ = compile_cached(src, arch)

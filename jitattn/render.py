@@ -28,12 +28,14 @@ class Tiles:
     """Launch shape of a CUDA kernel (templates/cuda/include/jitattn_attend.cuh): num_warps
     warps of ``rows`` query rows each (a multiple of 16, the mma row block), over K/V tiles of
     kv_tile keys through ``stages`` shared-memory buffers. Prefill splits a CTA's rows among its warps; decode gives every warp the same
-    ``rows`` rows and a share of each K/V tile."""
+    ``rows`` rows and a share of each K/V tile. wgmma: prefill on Hopper's warpgroup MMA (a
+    warpgroup of 4 warps per 64 rows, operands in 128-byte swizzled shared memory)."""
 
     num_warps: int
     rows: int
     kv_tile: int
     stages: int = 2
+    wgmma: bool = False
 
     def rows_per_cta(self, kind: str) -> int:
         return self.num_warps * self.rows if kind == "prefill" else self.rows
@@ -46,6 +48,9 @@ class Tiles:
         rows padded by 16 bytes; otherwise they are unpadded and one 16-bit K/V tile more
         receives each dequantized tile."""
         row = (head_dim + SMEM_ROW_PAD) * 2
+        if self.wgmma:  # unpadded swizzled panels, 1024-byte aligned
+            return (self.rows_per_cta(kind) + self.stages * 2 * self.kv_tile) * head_dim * 2 \
+                + 1024
         if not kv_fp8:
             kv = self.stages * 2 * self.kv_tile * row
         elif kind == "decode" and not rope:
@@ -55,13 +60,19 @@ class Tiles:
         return self.rows_per_cta(kind) * row + kv
 
 
-def tiles_for(kind: str, head_dim: int) -> Tiles:
+def tiles_for(kind: str, head_dim: int, *, arch: str | None = None, kv_fp8: bool = False,
+              rope: bool = False) -> Tiles:
     """Tile configuration per kind and head_dim. Prefill: 4 warps x 32 rows over K/V tiles of
     64 keys (each K/V fragment feeds two mma row blocks); at head_dim 256, where a 16-row block
     already holds 128 accumulators of O per lane, 8 warps x 16 rows over 32 keys. Decode: 16 rows
     (GQA groups up to 16 in one tile), 4 warps taking 16 keys each of 64-key tiles, three tiles
     in flight (two at head_dim 256, whose three would need 211 KB of shared memory, more than
-    an A100 has). Measured on the H200 (docs/performance.md)."""
+    an A100 has). On Hopper (arch "sm_90a"), prefill at head_dim 64 and 128 over a 16-bit cache
+    without RoPE runs on wgmma: 2 warpgroups x 64 rows over 128-key tiles. Measured on the H200
+    (docs/performance.md)."""
+    if kind == "prefill" and arch == "sm_90a" and head_dim in (64, 128) and not kv_fp8 \
+            and not rope:
+        return Tiles(8, 16, 128, stages=2, wgmma=True)
     if kind == "prefill":
         return Tiles(8, 16, 32) if head_dim == 256 else Tiles(4, 32, 64)
     return Tiles(4, 16, 64, stages=3 if head_dim <= 128 else 2)
@@ -177,7 +188,7 @@ def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
         version=__version__, kind=kind, variant=variant, dtype_tag=dtype_tag,
         dtype=dtypes.CTYPE["cuda"][dtype_tag], kv_dtype=dtypes.CTYPE["cuda"][kv_tag],
         head_dim=head_dim, num_warps=tiles.num_warps, rows=tiles.rows, kv_tile=tiles.kv_tile,
-        stages=tiles.stages, entry=entry, param_args=decls, param_names=names,
+        stages=tiles.stages, wgmma=tiles.wgmma, entry=entry, param_args=decls, param_names=names,
         variant_code=render_variant(variant, backend="cuda", head_dim=head_dim))
     return RenderedSource(
         code=code, lang="cuda", name=f"{variant.key}-{kind}-{dtype_tag}"

@@ -39,7 +39,7 @@ __device__ __forceinline__ void rope_tile(DType* s, int rows, Pos pos, int tid, 
 }
 
 template <typename DType, typename KVType, int HEAD_DIM, int NUM_WARPS, int ROWS_WARP,
-          int BLOCK_N, int STAGES, bool SPLIT_KEYS>
+          int BLOCK_N, int STAGES, bool SPLIT_KEYS, bool WGMMA = false>
 __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const VariantParams& p) {
   constexpr int MT = ROWS_WARP / 16;       // 16-row blocks per warp: each K/V fragment feeds MT mmas
   constexpr int ROWS_CTA = SPLIT_KEYS ? ROWS_WARP : NUM_WARPS * ROWS_WARP;
@@ -49,7 +49,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   constexpr int KD = HEAD_DIM / 16;        // k-steps of Q K^T
   constexpr int NB = KEYS_WARP / 8;        // 8-key column blocks of S
   constexpr int ND = HEAD_DIM / 8;         // 8-dim column blocks of O
-  constexpr bool Q_IN_REGS = MT == 1 && HEAD_DIM <= 128;  // else re-read from shared memory
+  constexpr bool Q_IN_REGS = !WGMMA && MT == 1 && HEAD_DIM <= 128;  // else read from shared memory
   constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
   // An fp8 KV cache is copied as it is into the stages. Decode (FP8_REGS) converts it in
   // registers straight into the mma's B fragments: each lane reads the bytes of its fragments
@@ -65,7 +65,15 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // elements per staged row: fp8 stages read by the dequantization (16 bytes per thread, whole
   // rows per 8 lanes) need no padding against bank conflicts; those read as fragments (8 rows
   // at one column per access phase) are padded by 16 bytes
-  constexpr int KV_ROW = KV_FP8 ? HEAD_DIM + (FP8_REGS ? 16 : 0) : ROW;
+  // WGMMA (sm_90a prefill, jitattn_wgmma.cuh): each warpgroup multiplies its 64 rows by the
+  // whole K/V tile with wgmma, reading Q, K and V from shared memory in 128-byte swizzled
+  // panels of 64 columns ([rows][64], 16-byte chunk x of row r at x ^ (r % 8)) instead of
+  // padded rows; P stays in registers as wgmma's A operand.
+  static_assert(!WGMMA || (!SPLIT_KEYS && !KV_FP8 && Variant::ROPE == 0 && ROWS_WARP == 16 &&
+                           NUM_WARPS % 4 == 0 && HEAD_DIM % 64 == 0 && BLOCK_N % 64 == 0),
+                "wgmma: prefill over a 16-bit cache without RoPE, a warpgroup per 64 rows");
+  constexpr int TILE_ROW = WGMMA ? HEAD_DIM : ROW;  // elements per row of a 16-bit tile
+  constexpr int KV_ROW = KV_FP8 ? HEAD_DIM + (FP8_REGS ? 16 : 0) : TILE_ROW;
   constexpr int KV_CHUNK = 16 / sizeof(KVType);              // elements per 16-byte copy
   constexpr int KV_CHUNKS = HEAD_DIM / KV_CHUNK;             // copies per row
   constexpr int KV_BYTES = (FP8_TILE ? 2 * BLOCK_N * ROW * (int)sizeof(DType) : 0) +
@@ -76,15 +84,25 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
                                              KV_BYTES),
                 "split keys: one row block, the warps' states fit in the K/V buffers");
   extern __shared__ __align__(16) unsigned char smem[];
-  DType* q_s = reinterpret_cast<DType*>(smem);  // [ROWS_CTA][ROW]
-  // 16-bit cache: [STAGES][K, V][BLOCK_N][ROW]; FP8_TILE: the dequantized [K, V][BLOCK_N][ROW]
-  DType* kv_s = q_s + ROWS_CTA * ROW;
+  // swizzled panels start 1024-byte aligned (the host adds 1024 bytes for this)
+  DType* q_s = reinterpret_cast<DType*>(smem + (WGMMA ? (1024 - smem_addr(smem) % 1024) % 1024
+                                                      : 0));  // [ROWS_CTA][TILE_ROW]
+  // 16-bit cache: [STAGES][K, V][BLOCK_N][TILE_ROW]; FP8_TILE: the dequantized
+  // [K, V][BLOCK_N][ROW]
+  DType* kv_s = q_s + ROWS_CTA * TILE_ROW;
   // the staged tiles, [STAGES][K, V][BLOCK_N][KV_ROW] (16-bit cache and FP8_REGS: at kv_s)
   KVType* kv_stage = reinterpret_cast<KVType*>(FP8_TILE ? kv_s + 2 * BLOCK_N * ROW : kv_s);
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
   const int row_w = SPLIT_KEYS ? 0 : warp * ROWS_WARP;   // the warp's first row of the tile
   const int key_w = SPLIT_KEYS ? warp * KEYS_WARP : 0;   // and first key of each K/V tile
   const int g = a.num_qo_heads / a.num_kv_heads;
+  // element offset of (row r, column c: a multiple of 8) in a 16-bit tile of `rows` rows
+  auto tile_at = [](int rows, int r, int c) {
+    if constexpr (WGMMA)
+      return (c / 64) * rows * 64 + r * 64 + ((((c % 64) / 8) ^ (r % 8)) * 8);
+    else
+      return r * TILE_ROW + c;
+  };
 
   for_each_work(a, ROWS_CTA, [&](const Work& w) {
     const Request req = get_request(a.requests, a.qo_indptr, a.kv_indptr, a.single_qo_len,
@@ -106,7 +124,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       if (valid)
         src += (long long)(req.q_start + packed / g) * a.q_stride_n +
                (long long)(w.hk * g + packed % g) * a.q_stride_h + c;
-      cp_async_16(q_s + r * ROW + c, src, valid);
+      cp_async_16(q_s + tile_at(ROWS_CTA, r, c), src, valid);
     }
     cp_async_commit();
     // A thread copies 16-byte column c of rows j0, j0 + COPY_THREADS / KV_CHUNKS, ... of a K/V
@@ -148,8 +166,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         const int j = j0 + x * (COPY_THREADS / KV_CHUNKS);
         const bool valid = loc[x].x >= 0;  // else zero-filled; the address is not read
         const int2 at = make_int2(max(loc[x].x, 0), loc[x].y);
-        cp_async_16(k_s + j * KV_ROW + c, k_head + a.k_layout.row_offset(at), valid);
-        cp_async_16(v_s + j * KV_ROW + c, v_head + a.v_layout.row_offset(at), valid);
+        const int at_s = KV_FP8 ? j * KV_ROW + c : tile_at(BLOCK_N, j, c);
+        cp_async_16(k_s + at_s, k_head + a.k_layout.row_offset(at), valid);
+        cp_async_16(v_s + at_s, v_head + a.v_layout.row_offset(at), valid);
       }
     };
     // fp8: the copied rows of staged tile `stage` (K and V) into the 16-bit tile, 16 elements
@@ -181,6 +200,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       cp_async_commit();
     }
     cp_async_wait<STAGES - 1>();  // Q has landed
+    if constexpr (WGMMA) fence_proxy_async();
     __syncthreads();
     rope_tile<DType, HEAD_DIM, ROW>(q_s, ROWS_CTA, [&](int r) {
       return w.row0 + r < packed_rows ? req.kv_len - req.q_len + (w.row0 + r) / g : -1;
@@ -236,6 +256,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       }
       cp_async_commit();
       cp_async_wait<STAGES - 1>();  // tile `tile` has landed
+      if constexpr (WGMMA) fence_proxy_async();
       tile_barrier();
       DType* k_s = kv_s;
       const KVType* k8_s = kv_stage + (tile % STAGES) * 2 * BLOCK_N * KV_ROW;  // FP8_REGS
@@ -244,9 +265,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         dequantize(tile % STAGES);
         tile_barrier();
       } else if constexpr (!KV_FP8) {
-        k_s += (tile % STAGES) * 2 * BLOCK_N * ROW;
+        k_s += (tile % STAGES) * 2 * BLOCK_N * TILE_ROW;
       }
-      const DType* v_s = k_s + BLOCK_N * ROW;
+      const DType* v_s = k_s + BLOCK_N * TILE_ROW;
       const int t0 = range.x + tile * BLOCK_N;
       if constexpr (Variant::ROPE != 0) {  // the copied rows
         rope_tile<DType, HEAD_DIM, ROW>(k_s + key_w * ROW, COPY_ROWS,
@@ -265,6 +286,20 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
           for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
       const unsigned k_frag_row =
           smem_addr(k_s + (key_w + (lane % 8) + (lane / 16) * 8) * ROW + ((lane / 8) % 2) * 8);
+      if constexpr (WGMMA) {
+        // the warpgroup's 64 rows of Q times the tile's keys, k = 16 columns at a time: K-major
+        // operands, 32 bytes further into the panel's swizzled 128-byte rows per step
+        float(&acc)[NB * 4] = *reinterpret_cast<float(*)[NB * 4]>(&s[0][0][0]);
+        const DType* q_wg = q_s + (warp / 4) * 64 * 64;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk)
+          Wgmma<DType, BLOCK_N>::ss(
+              acc, wgmma_desc(q_wg + (kk / 4) * ROWS_CTA * 64 + (kk % 4) * 16, 16, 1024),
+              wgmma_desc(k_s + (kk / 4) * BLOCK_N * 64 + (kk % 4) * 16, 16, 1024), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+      }
       if constexpr (FP8_REGS) {
         // B fragments of keys n = lane / 4 and n + 8 of each 16-key block: this lane's 4 KD
         // bytes of each row, k-step kk in bytes 4 kk .. 4 kk + 3 (low pair, then high pair)
@@ -292,7 +327,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         }
       }
 #pragma unroll
-      for (int kk = 0; kk < (FP8_REGS ? 0 : KD); ++kk) {
+      for (int kk = 0; kk < (FP8_REGS || WGMMA ? 0 : KD); ++kk) {
         unsigned qa[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -396,6 +431,26 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       }
 
       // O += P V: P's accumulator fragments are the A operand of the next mma (16 keys a step)
+      if constexpr (WGMMA) {
+        // V in the panels is N-major (transposed B): 16 keys a step are two 1024-byte atoms,
+        // the panels of 64 columns lie BLOCK_N * 128 bytes apart
+        unsigned pa[KEYS_WARP / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < KEYS_WARP / 16; ++kk) {
+          pa[kk][0] = pack2<DType>(s[0][2 * kk][0], s[0][2 * kk][1]);
+          pa[kk][1] = pack2<DType>(s[0][2 * kk][2], s[0][2 * kk][3]);
+          pa[kk][2] = pack2<DType>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+          pa[kk][3] = pack2<DType>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+        }
+        float(&acc)[ND * 4] = *reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < KEYS_WARP / 16; ++kk)
+          Wgmma<DType, HEAD_DIM>::rs_acc(
+              acc, pa[kk], wgmma_desc(v_s + kk * 16 * 64, BLOCK_N * 64 * 2, 1024));
+        wgmma_commit();
+        wgmma_wait<0>();
+      }
       if constexpr (FP8_REGS) {
         // B fragments: keys (2t, 2t + 1) and (2t + 8, 2t + 9) of each 16-key step, t = lane % 4,
         // at logical column lane / 4 of every 8-column block n, physical column
@@ -431,7 +486,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       const unsigned v_frag_row =
           smem_addr(v_s + (key_w + (lane % 8) + ((lane / 8) % 2) * 8) * ROW + (lane / 16) * 8);
 #pragma unroll
-      for (int kk = 0; kk < (FP8_REGS ? 0 : KEYS_WARP / 16); ++kk) {
+      for (int kk = 0; kk < (FP8_REGS || WGMMA ? 0 : KEYS_WARP / 16); ++kk) {
         unsigned pa[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
