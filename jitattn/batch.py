@@ -191,8 +191,7 @@ class BatchPrefill:
         mask = masks_mod.mask_arrays(self.variant.mask, masks or {}, qo_lens, kv_lens,
                                      self.capacity)
         kernel_kind = self._kind
-        rows = tiles_for(kernel_kind, head_dim).rows_per_cta(kernel_kind)
-        num_ctas = self._num_ctas(kernel_kind, q_dtype, kv_dtype, head_dim)
+        rows, num_ctas = self._launch_shape(kernel_kind, q_dtype, kv_dtype, head_dim)
         plan = make_plan(qo_lens, kv_lens, kv[:-1], num_qo_heads=num_qo_heads,
                          num_kv_heads=num_kv_heads, rows_per_cta=rows, num_ctas=num_ctas,
                          causal=self.variant.mask in ("causal", "multi_item"),
@@ -223,15 +222,18 @@ class BatchPrefill:
                        qo_len=int(qo_lens.max(initial=0)), kv_len=int(kv_lens.max(initial=0))))
         return plan
 
-    def _num_ctas(self, kind, q_dtype, kv_dtype, head_dim) -> int:
+    def _launch_shape(self, kind, q_dtype, kv_dtype, head_dim) -> tuple[int, int]:
+        """(packed rows per work item, persistent CTAs): the kernel's on the GPU (its tiles
+        depend on the device's arch); on the CPU, the CUDA tiles' rows over 2 chunks per
+        core."""
         if self.device.type == "cpu":
-            return 2 * (os.cpu_count() or 1)
+            return tiles_for(kind, head_dim).rows_per_cta(kind), 2 * (os.cpu_count() or 1)
         kernel = jit.get_kernel(self.variant, backend="cuda", kind=kind,
                                 dtype_tag=dtypes.tag(q_dtype), head_dim=head_dim,
                                 device_index=self.device.index,
                                 kv_tag=dtypes.kv_tag(kv_dtype))
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return sms * kernel.resident_ctas_per_sm()
+        return kernel.rows_per_cta, sms * kernel.resident_ctas_per_sm()
 
     # -- run --------------------------------------------------------------------------------------
     def _split_cache(self, kv_cache):

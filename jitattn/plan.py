@@ -6,9 +6,12 @@ r of request b is query r // g of kv head hk, head hk * g + r % g). The work is
 W = sum over tiles of the KV length each tile can see (causal and window ranges applied), the KV
 chunk cap is L = max(1, ceil(W / C)) with C resident CTAs (here ceil(W / kC), k in 1..8 chosen
 by the predicted makespan, which evens out waves), every tile's KV range is cut into
-chunks of at most L keys (rounded up to whole 32-key tiles), chunks are sorted by length,
+chunks of at most L keys (rounded up to whole KV_TILE-key tiles), chunks are sorted by length,
 longest first with stable ids for ties, and each goes to the least-loaded CTA with cost
-alpha * rows + beta * len. A tile cut into several chunks writes partial states that a merge
+alpha * rows + beta * len. One more candidate, a linear partition (stream-K, Osama et al. 2023:
+the ranges laid end to end and cut into C runs of equal cost), is taken when it predicts a
+clearly shorter makespan: it balances batches of a few long ranges that equal chunks cannot
+(16 x 32768 keys on 264 CTAs). A tile cut into several chunks writes partial states that a merge
 kernel combines in chunk order; nothing uses atomics, so the same plan gives bit-identical
 outputs run after run.
 """

@@ -46,12 +46,23 @@ FP8_KV = [("softcap", "decode", "f16", 128), ("alibi", "prefill", "bf16", 128),
           ("sigmoid", "decode", "bf16", 256), ("rope_llama", "prefill", "f16", 32)]
 
 
+# prefill on Hopper's wgmma (the tiles jit.get_kernel picks on an sm_90a device)
+WGMMA = [("softcap", "prefill", "f16", 128), ("document_mask", "prefill", "bf16", 64),
+         ("sigmoid", "prefill", "f16", 128)]
+
+
 @needs_nvcc
-@pytest.mark.parametrize("name, kind, dtype_tag, head_dim, kv_tag",
-                         [r + (None,) for r in REPRESENTATIVE] + [r + ("e4m3",) for r in FP8_KV])
-def test_nvcc_compiles_sm90a(name, kind, dtype_tag, head_dim, kv_tag):
-    src = render.render_cuda(_example(name), kind=kind, dtype_tag=dtype_tag, head_dim=head_dim,
-                             kv_tag=kv_tag)
+@pytest.mark.parametrize("name, kind, dtype_tag, head_dim, kv_tag, arch",
+                         [r + (None, None) for r in REPRESENTATIVE] +
+                         [r + ("e4m3", None) for r in FP8_KV] +
+                         [r + (None, "sm_90a") for r in WGMMA])
+def test_nvcc_compiles_sm90a(name, kind, dtype_tag, head_dim, kv_tag, arch):
+    variant = _example(name)
+    tiles = render.tiles_for(kind, head_dim, arch=arch, kv_fp8=kv_tag == "e4m3",
+                             rope=variant.pos_encoding is not None)
+    assert tiles.wgmma == (arch is not None)
+    src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag, head_dim=head_dim,
+                             kv_tag=kv_tag, tiles=tiles)
     path, _ = jit.compile_cached(src, "sm_90a")
     assert path.stat().st_size > 1000
     assert path.read_bytes()[:4] == b"\x7fELF"  # a cubin is an ELF image
@@ -86,3 +97,23 @@ def test_row_invariant_subexpressions_are_hoisted():
     assert "jap_slopes[" in row_fn and "ja_floordiv" in row_fn
     assert "jap_slopes[" not in score_fn and "row.r0" in score_fn and "row.r1" in score_fn
     assert "kv_idx" in score_fn and "kv_idx" not in row_fn
+
+
+def test_tiles_per_arch_and_shared_memory():
+    """wgmma only for prefill on sm_90a at head_dim 64 / 128 over a 16-bit cache without RoPE;
+    shared memory follows each layout (swizzled panels + 1024 alignment bytes; fp8 decode
+    stages padded by 16 bytes, no 16-bit tile)."""
+    wg = render.tiles_for("prefill", 128, arch="sm_90a")
+    assert wg.wgmma and wg.rows_per_cta("prefill") == 128
+    assert wg.smem_bytes("prefill", 128) == (128 + wg.stages * 2 * 128) * 128 * 2 + 1024
+    for kind, d, kw in (("decode", 128, {}), ("prefill", 256, {}), ("prefill", 128, {"kv_fp8": True}),
+                        ("prefill", 128, {"rope": True})):
+        assert not render.tiles_for(kind, d, arch="sm_90a", **kw).wgmma, (kind, d, kw)
+    assert not render.tiles_for("prefill", 128, arch="sm_80").wgmma
+    # the planner's rows per CTA do not depend on the arch (plans are made before a kernel)
+    assert wg.rows_per_cta("prefill") == render.tiles_for("prefill", 128).rows_per_cta("prefill")
+    dec = render.tiles_for("decode", 128)
+    assert dec.smem_bytes("decode", 128, kv_fp8=True) == \
+        16 * 136 * 2 + dec.stages * 2 * 64 * (128 + 16)
+    assert dec.smem_bytes("decode", 128, kv_fp8=True, rope=True) == \
+        16 * 136 * 2 + 2 * 64 * 136 * 2 + dec.stages * 2 * 64 * 128
