@@ -191,7 +191,7 @@ class BatchPrefill:
         mask = masks_mod.mask_arrays(self.variant.mask, masks or {}, qo_lens, kv_lens,
                                      self.capacity)
         kernel_kind = self._kind
-        rows, num_ctas = self._launch_shape(kernel_kind, q_dtype, kv_dtype, head_dim)
+        rows, num_ctas, kv_tile = self._launch_shape(kernel_kind, q_dtype, kv_dtype, head_dim)
         plan = make_plan(qo_lens, kv_lens, kv[:-1], num_qo_heads=num_qo_heads,
                          num_kv_heads=num_kv_heads, rows_per_cta=rows, num_ctas=num_ctas,
                          causal=self.variant.mask in ("causal", "multi_item"),
@@ -199,7 +199,8 @@ class BatchPrefill:
                          mask_offsets=mask.get("mask_offsets"), prefix_lens=mask.get("prefix"),
                          token_pos_offsets=mask.get("pos_offsets"),
                          max_item_lens=mask.get("max_item"),
-                         max_partial_rows=cap["max_partial_rows"])
+                         max_partial_rows=cap["max_partial_rows"],
+                         max_items=cap["max_work_items"], kv_tile=kv_tile)
         if plan.num_items > cap["max_work_items"]:
             raise ValueError(f"the plan has {plan.num_items} work items, more than "
                              f"max_work_items={cap['max_work_items']} given to the constructor")
@@ -222,18 +223,19 @@ class BatchPrefill:
                        qo_len=int(qo_lens.max(initial=0)), kv_len=int(kv_lens.max(initial=0))))
         return plan
 
-    def _launch_shape(self, kind, q_dtype, kv_dtype, head_dim) -> tuple[int, int]:
-        """(packed rows per work item, persistent CTAs): the kernel's on the GPU (its tiles
-        depend on the device's arch); on the CPU, the CUDA tiles' rows over 2 chunks per
-        core."""
+    def _launch_shape(self, kind, q_dtype, kv_dtype, head_dim) -> tuple[int, int, int]:
+        """(packed rows per work item, persistent CTAs, keys per K/V tile): the kernel's on the
+        GPU (its tiles depend on the device's arch); on the CPU, the CUDA tiles' over 2 chunks
+        per core."""
         if self.device.type == "cpu":
-            return tiles_for(kind, head_dim).rows_per_cta(kind), 2 * (os.cpu_count() or 1)
+            tiles = tiles_for(kind, head_dim)
+            return tiles.rows_per_cta(kind), 2 * (os.cpu_count() or 1), tiles.kv_tile
         kernel = jit.get_kernel(self.variant, backend="cuda", kind=kind,
                                 dtype_tag=dtypes.tag(q_dtype), head_dim=head_dim,
                                 device_index=self.device.index,
                                 kv_tag=dtypes.kv_tag(kv_dtype))
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return kernel.rows_per_cta, sms * kernel.resident_ctas_per_sm()
+        return kernel.rows_per_cta, sms * kernel.resident_ctas_per_sm(), kernel.kv_tile
 
     # -- run --------------------------------------------------------------------------------------
     def _split_cache(self, kv_cache):

@@ -75,7 +75,7 @@ def _compile(args) -> int:
             for kind in args.kind:
                 for dtype_tag in args.dtype:
                     src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag,
-                                             head_dim=head_dim)
+                                             head_dim=head_dim, arch=args.arch)
                     path, built = jit.compile_cached(src, args.arch)
                     print(f"  {'built' if built else 'cached'} {path}")
     return 0

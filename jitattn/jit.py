@@ -107,8 +107,7 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
     the KV cache's dtype tag when it differs from dtype_tag ("e4m3")."""
     kv_tag = kv_tag or dtype_tag
     arch = device_arch(device_index) if backend != "cpu" else None
-    tiles = render.tiles_for(kind, head_dim, arch=arch, kv_fp8=kv_tag == "e4m3",
-                             rope=variant.pos_encoding is not None)
+    tiles = render.tiles_for_variant(variant, kind, head_dim, arch=arch, kv_tag=kv_tag)
     memo_key = (variant.key, backend, head_dim) if backend == "cpu" else (
         variant.key, backend, kind, dtype_tag, kv_tag, head_dim, tiles, device_index)
     kernel = _MEMO.get(memo_key)

@@ -122,6 +122,7 @@ class CudaKernel:
     smem_bytes: int
     rows_per_cta: int
     kind: str
+    kv_tile: int = 0          # keys per K/V tile (0: the merge kernel)
     _params: _ParamBuffer | None = None
 
     def resident_ctas_per_sm(self) -> int:
@@ -185,7 +186,7 @@ def load_cuda(path: Path, src: RenderedSource, device_index: int) -> CudaKernel:
                           rows_per_cta=4, kind=src.kind)
     return CudaKernel(function.value, device_index, threads=32 * src.tiles.num_warps,
                       smem_bytes=smem, rows_per_cta=src.tiles.rows_per_cta(src.kind),
-                      kind=src.kind)
+                      kind=src.kind, kv_tile=src.tiles.kv_tile)
 
 
 def load_cpu(path: Path, src: RenderedSource) -> CpuKernel:

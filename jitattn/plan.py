@@ -6,7 +6,7 @@ r of request b is query r // g of kv head hk, head hk * g + r % g). The work is
 W = sum over tiles of the KV length each tile can see (causal and window ranges applied), the KV
 chunk cap is L = max(1, ceil(W / C)) with C resident CTAs (here ceil(W / kC), k in 1..8 chosen
 by the predicted makespan, which evens out waves), every tile's KV range is cut into
-chunks of at most L keys (rounded up to whole KV_TILE-key tiles), chunks are sorted by length,
+chunks of at most L keys (rounded up to whole kv_tile-key tiles), chunks are sorted by length,
 longest first with stable ids for ties, and each goes to the least-loaded CTA with cost
 alpha * rows + beta * len. One more candidate, a linear partition (stream-K, Osama et al. 2023:
 the ranges laid end to end and cut into C runs of equal cost), is taken when it predicts a
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KV_TILE = 64          # keys per K/V tile of the kernels (render.tiles_for; 32: d256 prefill)
+KV_TILE = 64          # keys per K/V tile by default (make_plan's kv_tile: the kernel's)
 ITEM_FIELDS = 8       # int32 per work item on the device
 FILL_MARGIN = 0.02    # the linear partition (_fill) cuts more spans than longest-first placement,
 #                       and each cut costs a partial-state write and a merge the model omits;
@@ -183,12 +183,12 @@ def _tiles(qo_lens, kv_lens, g, rows_per_cta, num_kv_heads, causal, window_left,
                 hi=flat[span_start + span, 1], key=tile_of * h + hk)
 
 
-def _chunks(tiles: dict, cap: int) -> dict:
-    """Cut each span into equal chunks of at most ``cap`` keys (whole KV_TILE-key tiles); arrays
+def _chunks(tiles: dict, cap: int, kv_tile: int) -> dict:
+    """Cut each span into equal chunks of at most ``cap`` keys (whole kv_tile-key tiles); arrays
     tile (index of the span), lo, hi, in span order."""
     length = tiles["hi"] - tiles["lo"]
     n = np.maximum(1, _ceil_div(length, cap))
-    step = np.where(length > 0, _ceil_div(_ceil_div(length, n), KV_TILE) * KV_TILE, 0)
+    step = np.where(length > 0, _ceil_div(_ceil_div(length, n), kv_tile) * kv_tile, 0)
     count = np.where(step > 0, _ceil_div(length, np.maximum(step, 1)), 1)
     tile = np.repeat(np.arange(len(length)), count)
     j = np.arange(len(tile)) - np.repeat(np.cumsum(count) - count, count)
@@ -198,11 +198,11 @@ def _chunks(tiles: dict, cap: int) -> dict:
     return dict(tile=tile, lo=lo, hi=hi)
 
 
-def _fill(tiles: dict, num_ctas: int, fixed: float, beta: float):
+def _fill(tiles: dict, num_ctas: int, fixed: float, beta: float, kv_tile: int):
     """Cut the spans, laid end to end in span order, into ``num_ctas`` runs of equal cost
     (a linear partition, as stream-K does for GEMM): CTA c takes everything between the
     cost positions c * T and (c + 1) * T, T = total / C, cutting a span where a boundary falls
-    inside its keys (rounded to whole KV_TILE tiles from the span's start). A span costs
+    inside its keys (rounded to whole kv_tile-key tiles from the span's start). A span costs
     ``fixed + beta * len`` and every piece of a cut span pays ``fixed`` again. Unlike the
     longest-first placement this needs no equal chunks, so one long span per CTA pair still
     balances. Returns (chunks, cta of each chunk, processing order of each chunk, makespan)."""
@@ -213,7 +213,7 @@ def _fill(tiles: dict, num_ctas: int, fixed: float, beta: float):
     x = np.arange(1, num_ctas) * (end[-1] / num_ctas)        # CTA boundaries, in cost
     span = np.searchsorted(end, x, side="right")
     x, span = x[span < len(lo)], span[span < len(lo)]
-    keys = np.rint((x - start[span] - fixed) / beta / KV_TILE) * KV_TILE
+    keys = np.rint((x - start[span] - fixed) / beta / kv_tile) * kv_tile
     keys = np.clip(keys, 0, length[span]).astype(np.int64)
     # boundaries as one ordered scalar: span index, then keys into the span
     scale = int(length.max(initial=0)) + 1
@@ -256,6 +256,9 @@ def _assign(costs: np.ndarray, num_ctas: int):
         if not len(group):
             continue
         c, pos = costs[group[0]], 0
+        if c <= 0:  # free chunks leave the loads as they are: all go to the least-loaded CTA
+            cta[group] = int(np.argmin(loads))
+            continue
         if len(group) == 1:  # the least-loaded CTA, lowest id first
             cta[group[0]] = best = int(np.argmin(loads))
             loads[best] += c
@@ -275,14 +278,17 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
               rows_per_cta: int, num_ctas: int, causal: bool, window_left: int | None,
               split_kv: bool = True, alpha: float = 16.0, beta: float = 1.0,
               mask_offsets=None, prefix_lens=None, token_pos_offsets=None,
-              max_item_lens=None, max_partial_rows: int | None = None) -> Plan:
+              max_item_lens=None, max_partial_rows: int | None = None,
+              max_items: int | None = None, kv_tile: int = KV_TILE) -> Plan:
     """Schedule a batch. qo_lens / kv_lens / kv_starts: per request (host ints). Cost model:
     alpha per query row of an item (its fixed work: loading rows, writing or merging states)
     plus beta per key, in units of one key's work. The mask
     arrays (per request) are copied into the request table; prefix_lens with max_item_lens
     enable tile skipping for multi-item masks. max_partial_rows: the workspace's capacity;
     splits that would need more are not chosen (with none left, the KV is not split, and if
-    multi-item spans still need more, row tiles are not cut into spans)."""
+    multi-item spans still need more, row tiles are not cut into spans); max_items likewise
+    rules out splits into more work items than the workspace holds. kv_tile: the kernel's keys
+    per K/V tile; chunks are cut on its multiples."""
     g = num_qo_heads // num_kv_heads
     batch = len(qo_lens)
     q_starts = np.concatenate([[0], np.cumsum(qo_lens)[:-1]]).astype(np.int64) if batch \
@@ -299,6 +305,11 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
         return _tiles(qo_lens, kv_lens, g, rows_per_cta, num_kv_heads, causal, window_left,
                       prefix_lens if skip else None, max_item_lens if skip else None)
 
+    def fits(chunks: dict, split: np.ndarray) -> bool:  # the workspace's capacities
+        return (max_partial_rows is None or
+                int(split.sum()) * rows_per_cta <= max_partial_rows) and \
+            (max_items is None or len(chunks["lo"]) <= max_items)
+
     tiles = make_tiles(skip=True)
     # KV chunk cap: ceil(W / (k C)), with k (chunks per CTA on average) chosen by predicting
     # the makespan of each candidate; k = 1 is the paper's rule, larger k evens out the waves
@@ -309,16 +320,16 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
         if k is None and best is not None:
             break  # no split: only when no split fits the workspace (or splitting is off)
         cap = 1 << 30 if k is None else max(1, math.ceil(total / max(1, num_ctas * k)))
-        cap = -(-cap // KV_TILE) * KV_TILE
-        chunks = _chunks(tiles, cap)
+        cap = -(-cap // kv_tile) * kv_tile
+        chunks = _chunks(tiles, cap, kv_tile)
         split = _split_keys(tiles, chunks)
-        if max_partial_rows is not None and int(split.sum()) * rows_per_cta > max_partial_rows:
+        if not fits(chunks, split):
             if k is not None:
                 continue  # would not fit the workspace
             # multi-item tile skipping cuts a row tile into spans that are merged like splits;
             # when even those do not fit, each row tile takes one span (the mask skips keys)
             tiles = make_tiles(skip=False)
-            chunks = _chunks(tiles, cap)
+            chunks = _chunks(tiles, cap, kv_tile)
             split = _split_keys(tiles, chunks)
         costs = alpha * rows_per_cta + beta * (chunks["hi"] - chunks["lo"]).astype(np.float64)
         if best is not None and max(costs.max(initial=0.0), costs.sum() / num_ctas) >= \
@@ -327,11 +338,11 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
         cta, rank, makespan = _assign(costs, num_ctas)
         if best is None or makespan < best[0] - 1e-9:
             best = (makespan, cap, chunks, split, costs, cta, rank)
-    if split_kv and len(tiles["lo"]) and num_ctas > 1:
-        chunks, cta, rank, makespan = _fill(tiles, num_ctas, alpha * rows_per_cta, beta)
+    if split_kv and len(tiles["lo"]) and num_ctas > 1 and beta > 0:
+        chunks, cta, rank, makespan = _fill(tiles, num_ctas, alpha * rows_per_cta, beta,
+                                            kv_tile)
         split = _split_keys(tiles, chunks)
-        fits = max_partial_rows is None or int(split.sum()) * rows_per_cta <= max_partial_rows
-        if fits and makespan < best[0] * (1 - FILL_MARGIN):
+        if fits(chunks, split) and makespan < best[0] * (1 - FILL_MARGIN):
             cap = int((chunks["hi"] - chunks["lo"]).max())
             costs = alpha * rows_per_cta + beta * (chunks["hi"] - chunks["lo"]).astype(np.float64)
             best = (makespan, cap, chunks, split, costs, cta, rank)

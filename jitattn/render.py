@@ -78,6 +78,14 @@ def tiles_for(kind: str, head_dim: int, *, arch: str | None = None, kv_fp8: bool
     return Tiles(4, 16, 64, stages=3 if head_dim <= 128 else 2)
 
 
+def tiles_for_variant(variant: Variant, kind: str, head_dim: int, *, arch: str | None = None,
+                      kv_tag: str | None = None) -> Tiles:
+    """The tiles jitattn builds ``variant``'s CUDA kernel with on ``arch`` (tiles_for with the
+    variant's RoPE and the KV cache's dtype tag)."""
+    return tiles_for(kind, head_dim, arch=arch, kv_fp8=kv_tag == "e4m3",
+                     rope=variant.pos_encoding is not None)
+
+
 @dataclass(frozen=True)
 class RenderedSource:
     """Generated source plus what building and launching it needs."""
@@ -169,9 +177,11 @@ def _hook_lines(code: str, variant: Variant) -> dict:
 
 
 def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
-                tiles: Tiles | None = None, kv_tag: str | None = None) -> RenderedSource:
+                tiles: Tiles | None = None, kv_tag: str | None = None,
+                arch: str | None = None) -> RenderedSource:
     """CUDA source of one prefill or decode kernel: q / o of dtype_tag ("f16" | "bf16") over a
-    KV cache of kv_tag (default the same; "e4m3": fp8, dequantized on load)."""
+    KV cache of kv_tag (default the same; "e4m3": fp8, dequantized on load). tiles: default
+    the ones jitattn picks for ``arch`` (tiles_for_variant)."""
     kv_tag = kv_tag or dtype_tag
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: expected one of {KINDS}")
@@ -181,7 +191,7 @@ def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
         raise ValueError(f"dtype {dtype_tag!r}: expected 'f16' or 'bf16'")
     if kv_tag not in (dtype_tag, "e4m3"):
         raise ValueError(f"KV dtype {kv_tag!r}: expected {dtype_tag!r} (q's) or 'e4m3'")
-    tiles = tiles or tiles_for(kind, head_dim)
+    tiles = tiles or tiles_for_variant(variant, kind, head_dim, arch=arch, kv_tag=kv_tag)
     decls, names = _param_decls(variant, "cuda")
     entry = f"jitattn_{kind}"
     code = _environment().get_template("cuda/attention.cu.j2").render(

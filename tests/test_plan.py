@@ -135,3 +135,25 @@ def test_round_placement_equals_one_by_one_lpt(seed):
     assert np.array_equal(cta, want)
     assert makespan == max(load for load, _ in heap)
     assert sorted(rank) == list(range(len(costs)))
+
+
+def test_workspace_item_capacity_and_tile_granularity():
+    """max_items rules out plans with more work items than the workspace holds (the linear
+    partition adds up to one item per CTA); chunks are cut on multiples of the kernel's kv_tile;
+    degenerate cost models (beta 0, all costs 0) still give a plan."""
+    kw = dict(num_qo_heads=32, num_kv_heads=8, rows_per_cta=16, num_ctas=264, causal=True,
+              window_left=None)
+    lens = [32768] * 16
+    filled = make_plan([1] * 16, lens, [0] * 16, **kw)
+    assert filled.num_items == 384  # the linear partition
+    capped = make_plan([1] * 16, lens, [0] * 16, max_items=300, **kw)
+    assert capped.num_items <= 300
+    wide = make_plan([1] * 16, lens, [0] * 16, kv_tile=128, **kw)
+    assert ((wide.items[:, 3] % 128 == 0) | (wide.items[:, 3] == 0)).all()
+    assert (wide.items[:, 4] % 128 == 0).all()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_plan([1] * 4, [100] * 4, [0] * 4, beta=0.0, **dict(kw, num_ctas=3))
+    free = make_plan([1, 1, 1], [0, 0, 0], [0] * 3, alpha=0.0, **dict(kw, num_ctas=3))
+    assert free.num_items == 3 * 8

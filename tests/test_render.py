@@ -57,12 +57,9 @@ WGMMA = [("softcap", "prefill", "f16", 128), ("document_mask", "prefill", "bf16"
                          [r + ("e4m3", None) for r in FP8_KV] +
                          [r + (None, "sm_90a") for r in WGMMA])
 def test_nvcc_compiles_sm90a(name, kind, dtype_tag, head_dim, kv_tag, arch):
-    variant = _example(name)
-    tiles = render.tiles_for(kind, head_dim, arch=arch, kv_fp8=kv_tag == "e4m3",
-                             rope=variant.pos_encoding is not None)
-    assert tiles.wgmma == (arch is not None)
-    src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag, head_dim=head_dim,
-                             kv_tag=kv_tag, tiles=tiles)
+    src = render.render_cuda(_example(name), kind=kind, dtype_tag=dtype_tag, head_dim=head_dim,
+                             kv_tag=kv_tag, arch=arch)
+    assert src.tiles.wgmma == (arch is not None)
     path, _ = jit.compile_cached(src, "sm_90a")
     assert path.stat().st_size > 1000
     assert path.read_bytes()[:4] == b"\x7fELF"  # a cubin is an ELF image
@@ -117,3 +114,22 @@ def test_tiles_per_arch_and_shared_memory():
         16 * 136 * 2 + dec.stages * 2 * 64 * (128 + 16)
     assert dec.smem_bytes("decode", 128, kv_fp8=True, rope=True) == \
         16 * 136 * 2 + 2 * 64 * 136 * 2 + dec.stages * 2 * 64 * 128
+
+
+def test_ahead_of_time_compile_builds_what_the_runtime_loads(tmp_path, monkeypatch):
+    """`jitattn compile --arch sm_90a` must render the kernels get_kernel would pick on that
+    arch (wgmma prefill), or the first call builds again: same cache key."""
+    from jitattn import cli
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(tmp_path))
+    keys = []
+    monkeypatch.setattr(jit, "compile_cached",
+                        lambda src, arch: keys.append(jit.cache_key(src, arch)) or (tmp_path, False))
+    variant_file = tmp_path / "v.py"
+    variant_file.write_text("import jitattn as ja\nv = ja.Variant('c', mask='causal')\n")
+    assert cli.main(["compile", str(variant_file), "--kind", "prefill", "--head-dim", "128",
+                     "--dtype", "f16", "--arch", "sm_90a"]) == 0
+    runtime = render.render_cuda(ja.Variant("c", mask="causal"), kind="prefill", dtype_tag="f16",
+                                 head_dim=128, tiles=render.tiles_for_variant(
+                                     ja.Variant("c", mask="causal"), "prefill", 128,
+                                     arch="sm_90a"))
+    assert runtime.tiles.wgmma and keys == [jit.cache_key(runtime, "sm_90a")]
