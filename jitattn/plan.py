@@ -25,9 +25,12 @@ import numpy as np
 
 KV_TILE = 64          # keys per K/V tile by default (make_plan's kv_tile: the kernel's)
 ITEM_FIELDS = 8       # int32 per work item on the device
-FILL_MARGIN = 0.02    # the linear partition (_fill) cuts more spans than longest-first placement,
+FILL_MARGIN = 0.08    # the linear partition (_fill) cuts more spans than longest-first placement,
 #                       and each cut costs a partial-state write and a merge the model omits;
-#                       it is taken only when its predicted makespan is this much shorter
+#                       it is taken only when its predicted makespan is this much shorter. On
+#                       the H200 (decode, docs/performance.md v9) it measured about 7% slower
+#                       than predicted relative to longest-first: predicted 12.9% faster at
+#                       16 x 32768, measured 5%; predicted equal at 64 x 4096, measured 6.6% slower
 REQUEST_FIELDS = 8    # int32 per request on the device: q_start, q_len, kv_len, kv_start,
 #                       mask_offset (bytes into the packed custom mask), prefix_len,
 #                       token_pos_offset (into token_pos_in_items), unused
