@@ -114,3 +114,29 @@ def quantize_fp8(cache, scale: float):
     values (fp8 * scale) in the cache's dtype; scale a power of two keeps that exact."""
     fp8 = (cache.float() / scale).to(torch.float8_e4m3fn)
     return fp8, (fp8.float() * scale).to(cache.dtype)
+
+
+def check_linear_partition(kind: str, device: str, monkeypatch) -> None:
+    """The planner's linear partition (cuts at any kv_tile multiple, 1-2 items per CTA) against
+    the reference, forced where it would not be chosen: long and short requests, GQA 4."""
+    from jitattn import plan as plan_module
+    monkeypatch.setattr(plan_module, "FILL_MARGIN", -1.0)
+    variant = ja.Variant("causal", mask="causal")
+    hq, hkv, d, dtype = 32, 8, 128, torch.float16
+    kv_lens = [20000, 1, 700, 9000, 0, 4100]
+    qo_lens = [1] * len(kv_lens) if kind == "decode" else [300, 1, 129, 64, 0, 1000]
+    if device == "cpu":  # fewer CTAs there: shorter requests are cut as well
+        kv_lens = [n // 8 for n in kv_lens]
+        qo_lens = [max(1, n // 8) if n else 0 for n in qo_lens] if kind != "decode" else qo_lens
+    cache, kv_indptr, kv_indices, last = make_paged(kv_lens, hkv, d, 16, "NHD", dtype, device,
+                                                    seed=5)
+    q, *_ = make_batch(qo_lens, kv_lens, hq, hkv, d, dtype, device, seed=6)
+    qo_indptr = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()], dtype=torch.int32)
+    if kind == "decode":
+        w = ja.BatchDecode(variant, page_size=16, device=device)
+        plan = w.plan(kv_indptr, kv_indices, last, hq, hkv, d, q_dtype=dtype)
+    else:
+        w = ja.BatchPrefill(variant, page_size=16, device=device)
+        plan = w.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hkv, d, q_dtype=dtype)
+    assert len(plan.merge_rows) > 0  # the partition cut ranges
+    check_batch(w, variant, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last, "NHD")

@@ -7,7 +7,7 @@ import torch
 import jitattn as ja
 from jitattn import catalog
 
-from helpers import check_batch, make_batch, make_paged
+from helpers import check_batch, check_linear_partition, make_batch, make_paged
 
 BUILTIN = catalog.builtin()
 
@@ -275,3 +275,8 @@ def test_device_defaults_to_what_the_machine_has():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device='cuda'.*device='cpu'"):
             ja.BatchPrefill(ja.Variant("plain"), device="cuda")
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_linear_partition_schedule_matches_reference(kind, monkeypatch):
+    check_linear_partition(kind, "cpu", monkeypatch)

@@ -8,8 +8,8 @@ import torch
 import jitattn as ja
 from jitattn import catalog, reference
 
-from helpers import (TOL, check_batch, every_feature_variant, make_batch, make_paged,
-                     quantize_fp8)
+from helpers import (TOL, check_batch, check_linear_partition, every_feature_variant,
+                     make_batch, make_paged, quantize_fp8)
 
 pytestmark = pytest.mark.gpu
 BUILTIN = catalog.builtin()
@@ -51,6 +51,11 @@ def test_batch_matches_reference(name, dtype, layout, page_size):
         d.plan(kv_indptr, kv_indices, last, hq, hkv, head_dim, q_dtype=dtype)
         check_batch(d, variant, params, q, cache, _cumsum([1] * len(kv_lens)), kv_indptr,
                     kv_indices, last, layout)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_linear_partition_schedule_matches_reference(kind, monkeypatch):
+    check_linear_partition(kind, "cuda", monkeypatch)
 
 
 def test_deterministic_over_runs():
