@@ -86,8 +86,6 @@ def cascade_decode(quick: bool, device: str) -> list[dict]:
         case = f"b{batch} prefix{prefix} suffix{suffix}"
         fns = {"plain decode": functools.partial(plain.run, q, cache)}
         fns.update((label, functools.partial(cd.run, q, cache)) for label, cd in runs.items())
-        # eager calls (host launch work included) and, on the GPU, the same calls replayed
-        # from a CUDA graph (GPU time only)
         # eager calls in alternating rounds (host launch work included: a host's drift hits
         # every strategy alike) and, on the GPU, the same calls replayed from a CUDA graph
         # (GPU time only)

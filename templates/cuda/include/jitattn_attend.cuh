@@ -430,17 +430,21 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         }
       }
 
-      // O += P V: P's accumulator fragments are the A operand of the next mma (16 keys a step)
+      // O += P V: P's accumulator fragments are the A operand of the next mma (16 keys a step):
+      // keys 16 kk .. 16 kk + 15 of row block mt
+      auto pack_p = [&](int mt, int kk, unsigned (&pa)[4]) {
+        pa[0] = pack2<DType>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[1] = pack2<DType>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[2] = pack2<DType>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[3] = pack2<DType>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      };
       if constexpr (WGMMA) {
         // V in the panels is N-major (transposed B): 16 keys a step are two 1024-byte atoms,
         // the panels of 64 columns lie BLOCK_N * 128 bytes apart
         unsigned pa[KEYS_WARP / 16][4];
 #pragma unroll
         for (int kk = 0; kk < KEYS_WARP / 16; ++kk) {
-          pa[kk][0] = pack2<DType>(s[0][2 * kk][0], s[0][2 * kk][1]);
-          pa[kk][1] = pack2<DType>(s[0][2 * kk][2], s[0][2 * kk][3]);
-          pa[kk][2] = pack2<DType>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-          pa[kk][3] = pack2<DType>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+          pack_p(0, kk, pa[kk]);
         }
         float(&acc)[ND * 4] = *reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]);
         wgmma_fence();
@@ -458,10 +462,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
 #pragma unroll
         for (int kk = 0; kk < KEYS_WARP / 16; ++kk) {
           unsigned pa[4];
-          pa[0] = pack2<DType>(s[0][2 * kk][0], s[0][2 * kk][1]);
-          pa[1] = pack2<DType>(s[0][2 * kk][2], s[0][2 * kk][3]);
-          pa[2] = pack2<DType>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-          pa[3] = pack2<DType>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+          pack_p(0, kk, pa);
           unsigned vw[4][ND / 4];  // rows 2t, 2t + 1, 2t + 8, 2t + 9
 #pragma unroll
           for (int x = 0; x < 4; ++x)
@@ -490,10 +491,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         unsigned pa[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          pa[mt][0] = pack2<DType>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-          pa[mt][1] = pack2<DType>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-          pa[mt][2] = pack2<DType>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-          pa[mt][3] = pack2<DType>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+          pack_p(mt, kk, pa[mt]);
         }
 #pragma unroll
         for (int nd2 = 0; nd2 < ND / 2; ++nd2) {
