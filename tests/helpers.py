@@ -136,7 +136,9 @@ def check_linear_partition(kind: str, device: str, monkeypatch) -> None:
         w = ja.BatchDecode(variant, page_size=16, device=device)
         plan = w.plan(kv_indptr, kv_indices, last, hq, hkv, d, q_dtype=dtype)
     else:
-        w = ja.BatchPrefill(variant, page_size=16, device=device)
+        # room for the partition's partial states: on the wgmma kernel (128 rows per item) it
+        # needs 27648 rows, more than the default capacity, which would rule it out
+        w = ja.BatchPrefill(variant, page_size=16, device=device, max_partial_rows=1 << 16)
         plan = w.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hkv, d, q_dtype=dtype)
     assert len(plan.merge_rows) > 0  # the partition cut ranges
     check_batch(w, variant, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last, "NHD")
