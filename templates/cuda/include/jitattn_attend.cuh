@@ -69,9 +69,16 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // whole K/V tile with wgmma, reading Q, K and V from shared memory in 128-byte swizzled
   // panels of 64 columns ([rows][64], 16-byte chunk x of row r at x ^ (r % 8)) instead of
   // padded rows; P stays in registers as wgmma's A operand.
+  // The product P V of a tile runs on the tensor cores while the next tile's softmax runs on
+  // the other units (FlashAttention-3, Shah et al. 2024, section 3.2, intra-warpgroup
+  // overlap): tile i issues S_i = Q K_i^T and then O += P_{i-1} V_{i-1}, waits for S_i only,
+  // and waits for the product just before rescaling O. V of tile i - 1 is then still read
+  // while tile i + 1 is copied: three stages.
   static_assert(!WGMMA || (!SPLIT_KEYS && !KV_FP8 && Variant::ROPE == 0 && ROWS_WARP == 16 &&
-                           NUM_WARPS % 4 == 0 && HEAD_DIM % 64 == 0 && BLOCK_N % 64 == 0),
-                "wgmma: prefill over a 16-bit cache without RoPE, a warpgroup per 64 rows");
+                           NUM_WARPS % 4 == 0 && HEAD_DIM % 64 == 0 && BLOCK_N % 64 == 0 &&
+                           STAGES >= 3),
+                "wgmma: prefill over a 16-bit cache without RoPE, a warpgroup per 64 rows, "
+                "three stages");
   constexpr int TILE_ROW = WGMMA ? HEAD_DIM : ROW;  // elements per row of a 16-bit tile
   constexpr int KV_ROW = KV_FP8 ? HEAD_DIM + (FP8_REGS ? 16 : 0) : TILE_ROW;
   constexpr int KV_CHUNK = 16 / sizeof(KVType);              // elements per 16-byte copy
@@ -248,14 +255,34 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         for (int e = 0; e < 4; ++e) o[mt][n][e] = 0.f;
     }
 
+    // WGMMA: P of the previous tile, the A operand of its product with V (issued with the
+    // next tile's S), and that product over the V tile at v_tile
+    unsigned pa_prev[WGMMA ? KEYS_WARP / 16 : 1][4];
+    auto issue_pv = [&](const DType* v_tile) {
+      if constexpr (WGMMA) {
+        // V in the panels is N-major (transposed B): 16 keys a step are two 1024-byte atoms,
+        // the panels of 64 columns lie BLOCK_N * 128 bytes apart
+        float(&acc)[ND * 4] = *reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]);
+#pragma unroll
+        for (int kk = 0; kk < KEYS_WARP / 16; ++kk)
+          Wgmma<DType, HEAD_DIM>::rs_acc(
+              acc, pa_prev[kk], wgmma_desc(v_tile + kk * 16 * 64, BLOCK_N * 64 * 2, 1024));
+      }
+    };
+    auto v_of = [&](int tile) {  // the 16-bit V tile of `tile` in its stage
+      return kv_s + (tile % STAGES) * 2 * BLOCK_N * TILE_ROW + BLOCK_N * TILE_ROW;
+    };
+
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int ahead = tile + STAGES - 1;
-      if (ahead < num_tiles) {
-        lookup(ahead);
-        copy_tile(ahead % STAGES);
+      if constexpr (!WGMMA) {  // (WGMMA: copied at the end of the previous tile, see below)
+        if (ahead < num_tiles) {
+          lookup(ahead);
+          copy_tile(ahead % STAGES);
+        }
+        cp_async_commit();
       }
-      cp_async_commit();
-      cp_async_wait<STAGES - 1>();  // tile `tile` has landed
+      cp_async_wait<WGMMA ? STAGES - 2 : STAGES - 1>();  // tile `tile` has landed
       if constexpr (WGMMA) fence_proxy_async();
       tile_barrier();
       DType* k_s = kv_s;
@@ -298,7 +325,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
               acc, wgmma_desc(q_wg + (kk / 4) * ROWS_CTA * 64 + (kk % 4) * 16, 16, 1024),
               wgmma_desc(k_s + (kk / 4) * BLOCK_N * 64 + (kk % 4) * 16, 16, 1024), kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
+        if (tile > 0) issue_pv(v_of(tile - 1));
+        wgmma_commit();
+        wgmma_wait<1>();  // S (the previous tile's product may still run)
       }
       if constexpr (FP8_REGS) {
         // B fragments of keys n = lane / 4 and n + 8 of each 16-key block: this lane's 4 KD
@@ -404,6 +433,19 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
             grew = grew || m_new != m[mt][h];
             m[mt][h] = m_new;
           }
+          float sum[2] = {0.f, 0.f};
+          if constexpr (WGMMA) {  // P first, while the previous product finishes
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+              for (int n = 0; n < NB; ++n)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                  s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], LOG2E, -base[h]));
+                  sum[h] += s[mt][n][e];
+                }
+            wgmma_wait<0>();
+          }
           // O and l are rescaled only when some row's max grew in this warp: otherwise every
           // factor is exactly 1, or the row has seen nothing and O, l are still 0. After the
           // first tiles the max rarely grows, so most tiles skip the ND * 4 multiplies.
@@ -418,15 +460,20 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
               }
             }
           }
+          if constexpr (WGMMA) {
+            l[mt][0] += sum[0];
+            l[mt][1] += sum[1];
+          } else {
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int n = 0; n < NB; ++n)
+              for (int n = 0; n < NB; ++n)
 #pragma unroll
-              for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], LOG2E, -base[h]));
-                l[mt][h] += s[mt][n][e];
-              }
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                  s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], LOG2E, -base[h]));
+                  l[mt][h] += s[mt][n][e];
+                }
+          }
         }
       }
 
@@ -438,22 +485,12 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         pa[2] = pack2<DType>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
         pa[3] = pack2<DType>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
       };
-      if constexpr (WGMMA) {
-        // V in the panels is N-major (transposed B): 16 keys a step are two 1024-byte atoms,
-        // the panels of 64 columns lie BLOCK_N * 128 bytes apart
-        unsigned pa[KEYS_WARP / 16][4];
+      if constexpr (WGMMA) {  // P for the product issued with the next tile's S
+        wgmma_wait<0>();  // (sigmoid: the previous product no longer reads pa_prev)
 #pragma unroll
         for (int kk = 0; kk < KEYS_WARP / 16; ++kk) {
-          pack_p(0, kk, pa[kk]);
+          pack_p(0, kk, pa_prev[kk]);
         }
-        float(&acc)[ND * 4] = *reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < KEYS_WARP / 16; ++kk)
-          Wgmma<DType, HEAD_DIM>::rs_acc(
-              acc, pa[kk], wgmma_desc(v_s + kk * 16 * 64, BLOCK_N * 64 * 2, 1024));
-        wgmma_commit();
-        wgmma_wait<0>();
       }
       if constexpr (FP8_REGS) {
         // B fragments: keys (2t, 2t + 1) and (2t + 8, 2t + 9) of each 16-key step, t = lane % 4,
@@ -503,6 +540,23 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         }
       }
       tile_barrier();  // this stage is consumed before tile + STAGES is loaded into it
+      if constexpr (WGMMA) {
+        // tile + STAGES - 1 goes into the stage of tile - 1, whose V the product issued in
+        // this iteration read: only now is it free
+        if (ahead < num_tiles) {
+          lookup(ahead);
+          copy_tile(ahead % STAGES);
+        }
+        cp_async_commit();
+      }
+    }
+    if constexpr (WGMMA) {  // the last tile's product
+      if (num_tiles > 0) {
+        wgmma_fence();
+        issue_pv(v_of(num_tiles - 1));
+        wgmma_commit();
+        wgmma_wait<0>();
+      }
     }
     cp_async_wait<0>();
 
