@@ -48,9 +48,9 @@ class Tiles:
         rows padded by 16 bytes; otherwise they are unpadded and one 16-bit K/V tile more
         receives each dequantized tile."""
         row = (head_dim + SMEM_ROW_PAD) * 2
-        if self.wgmma:  # unpadded swizzled panels, 1024-byte aligned
+        if self.wgmma:  # unpadded swizzled panels, 1024-byte aligned; 4 mbarriers per stage
             return (self.rows_per_cta(kind) + self.stages * 2 * self.kv_tile) * head_dim * 2 \
-                + 1024
+                + 1024 + 4 * 8 * self.stages
         if not kv_fp8:
             kv = self.stages * 2 * self.kv_tile * row
         elif kind == "decode" and not rope:
