@@ -20,6 +20,8 @@
 
 namespace ja {
 
+template <bool B> struct Flag { static constexpr bool value = B; };  // a compile-time bool
+
 // Rotate rows [0, rows) of a 16-bit tile in shared memory (RoFormer eq. 34); pos(r) is the
 // position of row r, or -1 to leave it. Threads tid of nthreads share the work.
 template <typename DType, int HEAD_DIM, int ROW, typename Pos>
@@ -303,6 +305,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         // V in the panels is N-major (transposed B): 16 keys a step are two 1024-byte atoms,
         // the panels of 64 columns lie BLOCK_N * 128 bytes apart
         float(&acc)[ND * 4] = *reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]);
+        wgmma_hold(acc);
+        wgmma_hold(pa_prev);
 #pragma unroll
         for (int kk = 0; kk < KEYS_WARP / 16; ++kk)
           Wgmma<DType, HEAD_DIM>::rs_acc(
@@ -313,7 +317,11 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       return kv_s + (G % STAGES) * 2 * BLOCK_N * TILE_ROW + BLOCK_N * TILE_ROW;
     };
 
-    for (int tile = 0; tile < num_tiles; ++tile) {
+    // one tile of the loop. FIRST (WGMMA only): tile 0, which has no previous product to
+    // issue; a separate instantiation, since a branch between the wgmmas would make ptxas
+    // serialize them (warning C7520)
+    auto step = [&](const int tile, auto first) {
+      [[maybe_unused]] constexpr bool FIRST = decltype(first)::value;
       const int ahead = tile + STAGES - 1;
       if constexpr (!WGMMA) {  // (WGMMA: copied at the end of the previous tile, see below)
         if (ahead < num_tiles) {
@@ -325,14 +333,17 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       const int G = gt + tile;  // WGMMA
       if constexpr (WGMMA) {
         mbar_wait(&full_k[G % STAGES], (G / STAGES) & 1);  // K of tile `tile` has landed
+        if constexpr (!FIRST)  // and V of the one before, for the product issued with S
+          mbar_wait(&full_v[(G - 1) % STAGES], ((G - 1) / STAGES) & 1);
         fence_proxy_async();
       } else {
         cp_async_wait<STAGES - 1>();  // tile `tile` has landed
         tile_barrier();
       }
       DType* k_s = kv_s;
-      const KVType* k8_s = kv_stage + (tile % STAGES) * 2 * BLOCK_N * KV_ROW;  // FP8_REGS
-      const KVType* v8_s = k8_s + BLOCK_N * KV_ROW;
+      [[maybe_unused]] const KVType* k8_s =  // FP8_REGS
+          kv_stage + (tile % STAGES) * 2 * BLOCK_N * KV_ROW;
+      [[maybe_unused]] const KVType* v8_s = k8_s + BLOCK_N * KV_ROW;
       if constexpr (FP8_TILE) {
         dequantize(tile % STAGES);
         tile_barrier();
@@ -371,14 +382,11 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
               acc, wgmma_desc(q_wg + (kk / 4) * ROWS_CTA * 64 + (kk % 4) * 16, 16, 1024),
               wgmma_desc(k_s + (kk / 4) * BLOCK_N * 64 + (kk % 4) * 16, 16, 1024), kk > 0);
         wgmma_commit();
-        if (tile > 0) {
-          mbar_wait(&full_v[(G - 1) % STAGES], ((G - 1) / STAGES) & 1);
-          fence_proxy_async();
-          issue_pv(v_of(G - 1));
-        }
+        if constexpr (!FIRST) issue_pv(v_of(G - 1));
         wgmma_commit();
         named_bar_arrive(2 - wg, 256);  // the other warpgroup's turn
         wgmma_wait<1>();  // S (the previous tile's product may still run)
+        wgmma_hold(acc);
         mbar_arrive(&empty_k[G % STAGES]);
       }
       if constexpr (FP8_REGS) {
@@ -485,7 +493,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
             grew = grew || m_new != m[mt][h];
             m[mt][h] = m_new;
           }
-          float sum[2] = {0.f, 0.f};
+          [[maybe_unused]] float sum[2] = {0.f, 0.f};
           if constexpr (WGMMA) {  // P first, while the previous product finishes
 #pragma unroll
             for (int h = 0; h < 2; ++h)
@@ -497,6 +505,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
                   sum[h] += s[mt][n][e];
                 }
             wgmma_wait<0>();
+            wgmma_hold(*reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]));
           }
           // O and l are rescaled only when some row's max grew in this warp: otherwise every
           // factor is exactly 1, or the row has seen nothing and O, l are still 0. After the
@@ -539,7 +548,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       };
       if constexpr (WGMMA) {  // P for the product issued with the next tile's S
         wgmma_wait<0>();  // (sigmoid: the previous product no longer reads pa_prev)
-        if (tile > 0) mbar_arrive(&empty_v[(G - 1) % STAGES]);
+        wgmma_hold(*reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]));
+        if constexpr (!FIRST) mbar_arrive(&empty_v[(G - 1) % STAGES]);
 #pragma unroll
         for (int kk = 0; kk < KEYS_WARP / 16; ++kk) {
           pack_p(0, kk, pa_prev[kk]);
@@ -599,6 +609,12 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       } else {
         tile_barrier();  // this stage is consumed before tile + STAGES is loaded into it
       }
+    };
+    if constexpr (WGMMA) {
+      if (num_tiles > 0) step(0, Flag<true>{});
+      for (int tile = 1; tile < num_tiles; ++tile) step(tile, Flag<false>{});
+    } else {
+      for (int tile = 0; tile < num_tiles; ++tile) step(tile, Flag<false>{});
     }
     if constexpr (WGMMA) {  // the last tile's product
       if (num_tiles > 0) {
