@@ -48,9 +48,9 @@ class Tiles:
         rows padded by 16 bytes; otherwise they are unpadded and one 16-bit K/V tile more
         receives each dequantized tile."""
         row = (head_dim + SMEM_ROW_PAD) * 2
-        if self.wgmma:  # unpadded swizzled panels, 1024-byte aligned
+        if self.wgmma:  # unpadded swizzled panels, 1024-byte aligned; 4 mbarriers per stage
             return (self.rows_per_cta(kind) + self.stages * 2 * self.kv_tile) * head_dim * 2 \
-                + 1024
+                + 1024 + 4 * 8 * self.stages
         if not kv_fp8:
             kv = self.stages * 2 * self.kv_tile * row
         elif kind == "decode" and not rope:
@@ -68,11 +68,11 @@ def tiles_for(kind: str, head_dim: int, *, arch: str | None = None, kv_fp8: bool
     (GQA groups up to 16 in one tile), 4 warps taking 16 keys each of 64-key tiles, three tiles
     in flight (two at head_dim 256, whose three would need 211 KB of shared memory, more than
     an A100 has). On Hopper (arch "sm_90a"), prefill at head_dim 64 and 128 over a 16-bit cache
-    without RoPE runs on wgmma: 2 warpgroups x 64 rows over 128-key tiles. Measured on the H200
+    without RoPE runs on wgmma: 2 warpgroups x 64 rows over 128-key tiles, three in flight. Measured on the H200
     (docs/performance.md)."""
     if kind == "prefill" and arch == "sm_90a" and head_dim in (64, 128) and not kv_fp8 \
             and not rope:
-        return Tiles(8, 16, 128, stages=2, wgmma=True)
+        return Tiles(8, 16, 128, stages=3, wgmma=True)
     if kind == "prefill":
         return Tiles(8, 16, 32) if head_dim == 256 else Tiles(4, 32, 64)
     return Tiles(4, 16, 64, stages=3 if head_dim <= 128 else 2)

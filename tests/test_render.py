@@ -102,7 +102,8 @@ def test_tiles_per_arch_and_shared_memory():
     stages padded by 16 bytes, no 16-bit tile)."""
     wg = render.tiles_for("prefill", 128, arch="sm_90a")
     assert wg.wgmma and wg.rows_per_cta("prefill") == 128
-    assert wg.smem_bytes("prefill", 128) == (128 + wg.stages * 2 * 128) * 128 * 2 + 1024
+    assert wg.smem_bytes("prefill", 128) == \
+        (128 + wg.stages * 2 * 128) * 128 * 2 + 1024 + 32 * wg.stages
     for kind, d, kw in (("decode", 128, {}), ("prefill", 256, {}), ("prefill", 128, {"kv_fp8": True}),
                         ("prefill", 128, {"rope": True})):
         assert not render.tiles_for(kind, d, arch="sm_90a", **kw).wgmma, (kind, d, kw)

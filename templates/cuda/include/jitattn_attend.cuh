@@ -20,6 +20,8 @@
 
 namespace ja {
 
+template <bool B> struct Flag { static constexpr bool value = B; };  // a compile-time bool
+
 // Rotate rows [0, rows) of a 16-bit tile in shared memory (RoFormer eq. 34); pos(r) is the
 // position of row r, or -1 to leave it. Threads tid of nthreads share the work.
 template <typename DType, int HEAD_DIM, int ROW, typename Pos>
@@ -69,9 +71,23 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // whole K/V tile with wgmma, reading Q, K and V from shared memory in 128-byte swizzled
   // panels of 64 columns ([rows][64], 16-byte chunk x of row r at x ^ (r % 8)) instead of
   // padded rows; P stays in registers as wgmma's A operand.
+  // The product P V of a tile runs on the tensor cores while the next tile's softmax runs on
+  // the other units (FlashAttention-3, Shah et al. 2024, section 3.2, intra-warpgroup
+  // overlap): tile i issues S_i = Q K_i^T and then O += P_{i-1} V_{i-1}, waits for S_i only,
+  // and waits for the product just before rescaling O. V of tile i - 1 is then still read
+  // while tile i + 1 is copied: three stages.
+  // The warpgroups do not meet at block barriers: warpgroup 0 copies the K tiles and
+  // warpgroup 1 the V tiles (cp.async, completion signalled on an mbarrier per stage: full),
+  // every thread signals when its warpgroup's products no longer read a stage (empty), and the
+  // two warpgroups take turns issuing their products (two named barriers; FlashAttention-3's
+  // ping-pong, section 3.1), so that one's softmax runs under the other's products. Warpgroup
+  // 0 leads by about half a tile: it copies K, which both read first, and warpgroup 1 copies V,
+  // which both read last, so neither waits for the other to copy.
   static_assert(!WGMMA || (!SPLIT_KEYS && !KV_FP8 && Variant::ROPE == 0 && ROWS_WARP == 16 &&
-                           NUM_WARPS % 4 == 0 && HEAD_DIM % 64 == 0 && BLOCK_N % 64 == 0),
-                "wgmma: prefill over a 16-bit cache without RoPE, a warpgroup per 64 rows");
+                           NUM_WARPS % 4 == 0 && HEAD_DIM % 64 == 0 && BLOCK_N % 64 == 0 &&
+                           STAGES >= 3),
+                "wgmma: prefill over a 16-bit cache without RoPE, a warpgroup per 64 rows, "
+                "three stages");
   constexpr int TILE_ROW = WGMMA ? HEAD_DIM : ROW;  // elements per row of a 16-bit tile
   constexpr int KV_ROW = KV_FP8 ? HEAD_DIM + (FP8_REGS ? 16 : 0) : TILE_ROW;
   constexpr int KV_CHUNK = 16 / sizeof(KVType);              // elements per 16-byte copy
@@ -96,6 +112,26 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   const int row_w = SPLIT_KEYS ? 0 : warp * ROWS_WARP;   // the warp's first row of the tile
   const int key_w = SPLIT_KEYS ? warp * KEYS_WARP : 0;   // and first key of each K/V tile
   const int g = a.num_qo_heads / a.num_kv_heads;
+  // WGMMA: mbarriers after the stages: full K, full V (count: the 128 copying threads), empty
+  // K, empty V (count: all 256 threads), one of each per stage; tiles are numbered across the
+  // CTA's work items (gt), tile G in stage G % STAGES, phase (G / STAGES) & 1
+  unsigned long long* bars = reinterpret_cast<unsigned long long*>(
+      kv_s + (WGMMA ? STAGES * 2 * BLOCK_N * TILE_ROW : 0));
+  unsigned long long *full_k = bars, *full_v = bars + STAGES, *empty_k = bars + 2 * STAGES,
+                     *empty_v = bars + 3 * STAGES;
+  const int wg = warp / 4;  // WGMMA: this thread's warpgroup (0 copies K, 1 copies V)
+  int gt = 0;
+  if constexpr (WGMMA) {
+    if (threadIdx.x == 0)
+      for (int i = 0; i < STAGES; ++i) {
+        mbar_init(&full_k[i], 128);
+        mbar_init(&full_v[i], 128);
+        mbar_init(&empty_k[i], 256);
+        mbar_init(&empty_v[i], 256);
+      }
+    __syncthreads();
+    if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
+  }
   // element offset of (row r, column c: a multiple of 8) in a 16-bit tile of `rows` rows
   auto tile_at = [](int rows, int r, int c) {
     if constexpr (WGMMA)
@@ -134,12 +170,13 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     // The page-table lookups of all its rows are issued before any copy (one memory latency
     // per tile rather than one per row; looking a tile further ahead was measured no faster
     // on the H200 and costs registers, docs/performance.md v7).
-    constexpr int COPY_THREADS = SPLIT_KEYS ? WARP : NUM_WARPS * WARP;
+    constexpr int COPY_THREADS = SPLIT_KEYS ? WARP : WGMMA ? 128 : NUM_WARPS * WARP;
     constexpr int COPY_ROWS = SPLIT_KEYS ? KEYS_WARP : BLOCK_N;
     constexpr int ROWS_THREAD = COPY_ROWS * KV_CHUNKS / COPY_THREADS;
     static_assert(COPY_THREADS % KV_CHUNKS == 0 && COPY_ROWS * KV_CHUNKS % COPY_THREADS == 0,
                   "copy layout");
-    const unsigned copy_tid = SPLIT_KEYS ? threadIdx.x % WARP : threadIdx.x;
+    const unsigned copy_tid = SPLIT_KEYS ? threadIdx.x % WARP
+                              : WGMMA ? threadIdx.x % 128 : threadIdx.x;
     const int j0 = key_w + copy_tid / KV_CHUNKS, c = (copy_tid % KV_CHUNKS) * KV_CHUNK;
     // the barrier between a tile's copy and its use, and between its use and the next copy
     // into its stage
@@ -167,9 +204,17 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         const bool valid = loc[x].x >= 0;  // else zero-filled; the address is not read
         const int2 at = make_int2(max(loc[x].x, 0), loc[x].y);
         const int at_s = KV_FP8 ? j * KV_ROW + c : tile_at(BLOCK_N, j, c);
-        cp_async_16(k_s + at_s, k_head + a.k_layout.row_offset(at), valid);
-        cp_async_16(v_s + at_s, v_head + a.v_layout.row_offset(at), valid);
+        if (!WGMMA || wg == 0) cp_async_16(k_s + at_s, k_head + a.k_layout.row_offset(at), valid);
+        if (!WGMMA || wg == 1) cp_async_16(v_s + at_s, v_head + a.v_layout.row_offset(at), valid);
       }
+    };
+    // WGMMA: this warpgroup's half (K or V) of the item's tile t, once the stage is empty
+    auto load_ws = [&](int t) {
+      const int G = gt + t, stage = G % STAGES, use = G / STAGES;
+      if (use > 0) mbar_wait(wg == 0 ? &empty_k[stage] : &empty_v[stage], (use - 1) & 1);
+      lookup(t);
+      copy_tile(stage);
+      cp_async_mbar_arrive_noinc(wg == 0 ? &full_k[stage] : &full_v[stage]);
     };
     // fp8: the copied rows of staged tile `stage` (K and V) into the 16-bit tile, 16 elements
     // per step (zero-filled rows stay zero)
@@ -193,13 +238,17 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     };
 #pragma unroll
     for (int t = 0; t < STAGES - 1; ++t) {  // one cp.async group per tile, empty past the end
-      if (t < num_tiles) {
-        lookup(t);
-        copy_tile(t);
+      if constexpr (WGMMA) {
+        if (t < num_tiles) load_ws(t);
+      } else {
+        if (t < num_tiles) {
+          lookup(t);
+          copy_tile(t);
+        }
+        cp_async_commit();
       }
-      cp_async_commit();
     }
-    cp_async_wait<STAGES - 1>();  // Q has landed
+    cp_async_wait<WGMMA ? 0 : STAGES - 1>();  // Q has landed (WGMMA: the only group)
     if constexpr (WGMMA) fence_proxy_async();
     __syncthreads();
     rope_tile<DType, HEAD_DIM, ROW>(q_s, ROWS_CTA, [&](int r) {
@@ -248,24 +297,58 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         for (int e = 0; e < 4; ++e) o[mt][n][e] = 0.f;
     }
 
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      const int ahead = tile + STAGES - 1;
-      if (ahead < num_tiles) {
-        lookup(ahead);
-        copy_tile(ahead % STAGES);
+    // WGMMA: P of the previous tile, the A operand of its product with V (issued with the
+    // next tile's S), and that product over the V tile at v_tile
+    unsigned pa_prev[WGMMA ? KEYS_WARP / 16 : 1][4];
+    auto issue_pv = [&](const DType* v_tile) {
+      if constexpr (WGMMA) {
+        // V in the panels is N-major (transposed B): 16 keys a step are two 1024-byte atoms,
+        // the panels of 64 columns lie BLOCK_N * 128 bytes apart
+        float(&acc)[ND * 4] = *reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]);
+        wgmma_hold(acc);
+        wgmma_hold(pa_prev);
+#pragma unroll
+        for (int kk = 0; kk < KEYS_WARP / 16; ++kk)
+          Wgmma<DType, HEAD_DIM>::rs_acc(
+              acc, pa_prev[kk], wgmma_desc(v_tile + kk * 16 * 64, BLOCK_N * 64 * 2, 1024));
       }
-      cp_async_commit();
-      cp_async_wait<STAGES - 1>();  // tile `tile` has landed
-      if constexpr (WGMMA) fence_proxy_async();
-      tile_barrier();
+    };
+    auto v_of = [&](int G) {  // the 16-bit V tile of the CTA's tile G in its stage
+      return kv_s + (G % STAGES) * 2 * BLOCK_N * TILE_ROW + BLOCK_N * TILE_ROW;
+    };
+
+    // one tile of the loop. FIRST (WGMMA only): tile 0, which has no previous product to
+    // issue; a separate instantiation, since a branch between the wgmmas would make ptxas
+    // serialize them (warning C7520)
+    auto step = [&](const int tile, auto first) {
+      [[maybe_unused]] constexpr bool FIRST = decltype(first)::value;
+      const int ahead = tile + STAGES - 1;
+      if constexpr (!WGMMA) {  // (WGMMA: copied at the end of the previous tile, see below)
+        if (ahead < num_tiles) {
+          lookup(ahead);
+          copy_tile(ahead % STAGES);
+        }
+        cp_async_commit();
+      }
+      const int G = gt + tile;  // WGMMA
+      if constexpr (WGMMA) {
+        mbar_wait(&full_k[G % STAGES], (G / STAGES) & 1);  // K of tile `tile` has landed
+        if constexpr (!FIRST)  // and V of the one before, for the product issued with S
+          mbar_wait(&full_v[(G - 1) % STAGES], ((G - 1) / STAGES) & 1);
+        fence_proxy_async();
+      } else {
+        cp_async_wait<STAGES - 1>();  // tile `tile` has landed
+        tile_barrier();
+      }
       DType* k_s = kv_s;
-      const KVType* k8_s = kv_stage + (tile % STAGES) * 2 * BLOCK_N * KV_ROW;  // FP8_REGS
-      const KVType* v8_s = k8_s + BLOCK_N * KV_ROW;
+      [[maybe_unused]] const KVType* k8_s =  // FP8_REGS
+          kv_stage + (tile % STAGES) * 2 * BLOCK_N * KV_ROW;
+      [[maybe_unused]] const KVType* v8_s = k8_s + BLOCK_N * KV_ROW;
       if constexpr (FP8_TILE) {
         dequantize(tile % STAGES);
         tile_barrier();
       } else if constexpr (!KV_FP8) {
-        k_s += (tile % STAGES) * 2 * BLOCK_N * TILE_ROW;
+        k_s += ((WGMMA ? G : tile) % STAGES) * 2 * BLOCK_N * TILE_ROW;
       }
       const DType* v_s = k_s + BLOCK_N * TILE_ROW;
       const int t0 = range.x + tile * BLOCK_N;
@@ -291,6 +374,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         // operands, 32 bytes further into the panel's swizzled 128-byte rows per step
         float(&acc)[NB * 4] = *reinterpret_cast<float(*)[NB * 4]>(&s[0][0][0]);
         const DType* q_wg = q_s + (warp / 4) * 64 * 64;
+        named_bar_sync(1 + wg, 256);  // this warpgroup's turn to issue
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KD; ++kk)
@@ -298,7 +382,12 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
               acc, wgmma_desc(q_wg + (kk / 4) * ROWS_CTA * 64 + (kk % 4) * 16, 16, 1024),
               wgmma_desc(k_s + (kk / 4) * BLOCK_N * 64 + (kk % 4) * 16, 16, 1024), kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
+        if constexpr (!FIRST) issue_pv(v_of(G - 1));
+        wgmma_commit();
+        named_bar_arrive(2 - wg, 256);  // the other warpgroup's turn
+        wgmma_wait<1>();  // S (the previous tile's product may still run)
+        wgmma_hold(acc);
+        mbar_arrive(&empty_k[G % STAGES]);
       }
       if constexpr (FP8_REGS) {
         // B fragments of keys n = lane / 4 and n + 8 of each 16-key block: this lane's 4 KD
@@ -404,6 +493,20 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
             grew = grew || m_new != m[mt][h];
             m[mt][h] = m_new;
           }
+          [[maybe_unused]] float sum[2] = {0.f, 0.f};
+          if constexpr (WGMMA) {  // P first, while the previous product finishes
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+              for (int n = 0; n < NB; ++n)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                  s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], LOG2E, -base[h]));
+                  sum[h] += s[mt][n][e];
+                }
+            wgmma_wait<0>();
+            wgmma_hold(*reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]));
+          }
           // O and l are rescaled only when some row's max grew in this warp: otherwise every
           // factor is exactly 1, or the row has seen nothing and O, l are still 0. After the
           // first tiles the max rarely grows, so most tiles skip the ND * 4 multiplies.
@@ -418,15 +521,20 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
               }
             }
           }
+          if constexpr (WGMMA) {
+            l[mt][0] += sum[0];
+            l[mt][1] += sum[1];
+          } else {
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int n = 0; n < NB; ++n)
+              for (int n = 0; n < NB; ++n)
 #pragma unroll
-              for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], LOG2E, -base[h]));
-                l[mt][h] += s[mt][n][e];
-              }
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                  s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], LOG2E, -base[h]));
+                  l[mt][h] += s[mt][n][e];
+                }
+          }
         }
       }
 
@@ -438,22 +546,14 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         pa[2] = pack2<DType>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
         pa[3] = pack2<DType>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
       };
-      if constexpr (WGMMA) {
-        // V in the panels is N-major (transposed B): 16 keys a step are two 1024-byte atoms,
-        // the panels of 64 columns lie BLOCK_N * 128 bytes apart
-        unsigned pa[KEYS_WARP / 16][4];
+      if constexpr (WGMMA) {  // P for the product issued with the next tile's S
+        wgmma_wait<0>();  // (sigmoid: the previous product no longer reads pa_prev)
+        wgmma_hold(*reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]));
+        if constexpr (!FIRST) mbar_arrive(&empty_v[(G - 1) % STAGES]);
 #pragma unroll
         for (int kk = 0; kk < KEYS_WARP / 16; ++kk) {
-          pack_p(0, kk, pa[kk]);
+          pack_p(0, kk, pa_prev[kk]);
         }
-        float(&acc)[ND * 4] = *reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < KEYS_WARP / 16; ++kk)
-          Wgmma<DType, HEAD_DIM>::rs_acc(
-              acc, pa[kk], wgmma_desc(v_s + kk * 16 * 64, BLOCK_N * 64 * 2, 1024));
-        wgmma_commit();
-        wgmma_wait<0>();
       }
       if constexpr (FP8_REGS) {
         // B fragments: keys (2t, 2t + 1) and (2t + 8, 2t + 9) of each 16-key step, t = lane % 4,
@@ -502,7 +602,32 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
             mma_16816_x2<DType>(o[mt][2 * nd2], o[mt][2 * nd2 + 1], pa[mt], vb);
         }
       }
-      tile_barrier();  // this stage is consumed before tile + STAGES is loaded into it
+      if constexpr (WGMMA) {
+        // tile + STAGES - 1 goes into the stage of tile - 1 once both warpgroups are done
+        // with it (load_ws waits for its empty barrier)
+        if (ahead < num_tiles) load_ws(ahead);
+      } else {
+        tile_barrier();  // this stage is consumed before tile + STAGES is loaded into it
+      }
+    };
+    if constexpr (WGMMA) {
+      if (num_tiles > 0) step(0, Flag<true>{});
+      for (int tile = 1; tile < num_tiles; ++tile) step(tile, Flag<false>{});
+    } else {
+      for (int tile = 0; tile < num_tiles; ++tile) step(tile, Flag<false>{});
+    }
+    if constexpr (WGMMA) {  // the last tile's product
+      if (num_tiles > 0) {
+        const int G = gt + num_tiles - 1;
+        mbar_wait(&full_v[G % STAGES], (G / STAGES) & 1);
+        fence_proxy_async();
+        wgmma_fence();
+        issue_pv(v_of(G));
+        wgmma_commit();
+        wgmma_wait<0>();
+        mbar_arrive(&empty_v[G % STAGES]);
+      }
+      gt += num_tiles;
     }
     cp_async_wait<0>();
 

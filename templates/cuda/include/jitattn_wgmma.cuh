@@ -35,6 +35,21 @@ __device__ __forceinline__ void fence_proxy_async() {
 // shared memory, both K-major (scale_d 0 ignores D's old value); rs_acc with A in registers
 // (mma.m16n8k16 A fragments per warp) and B in shared memory with N contiguous (transposed),
 // accumulating. I0.. are the operand numbers after the R accumulators.
+// Keeps the compiler from moving register work on a wgmma operand across a wgmma fence or wait
+// (the registers look read and written here; CUTLASS's warpgroup_fence_operand).
+template <int N>
+__device__ __forceinline__ void wgmma_hold(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_hold(unsigned (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
+}
+
 template <typename DType, int N> struct Wgmma;
 #define JA_WGMMA(CTYPE, TY, N, R, DLIST, RLIST, I0, I1, I2, I3, I4, I5)                        \
   template <> struct Wgmma<CTYPE, N> {                                                         \
