@@ -3,7 +3,6 @@ reading indptr tensors that live on the GPU (pass them on the CPU to avoid that 
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -89,7 +88,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     qo_indptr, kv_indptr: [batch_size + 1] int32 (or int64) offsets of each request's rows in
         q and k/v; both or neither (then q, k, v are one request). Read on the host: pass CPU
         tensors to avoid a device sync.
-    sm_scale: multiplies q.k before score_mod; default 1 / sqrt(head_dim).
+    sm_scale: > 0, multiplies q.k before score_mod; default 1 / sqrt(head_dim).
     out, lse: optional preallocated outputs (contiguous, shapes and dtypes as returned below);
         every element is written.
     params: the variant's runtime parameters by name (``variant.runtime_param_names``).
@@ -135,10 +134,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     sizes = dict(batch_size=batch, num_qo_heads=hq, num_kv_heads=hkv, qo_len=max_qo,
                  kv_len=max_kv)
     bound = variant.bind(params, device=q.device, sizes=sizes)
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale must be a finite number, got {sm_scale!r}")
+    sm_scale = launch.resolve_sm_scale(sm_scale, head_dim)
 
     out = launch.output_buffer("out", out, (total_q, hq, head_dim), q.dtype, q.device)
     lse = launch.output_buffer("lse", lse, (total_q, hq), torch.float32, q.device)

@@ -113,7 +113,7 @@ class BatchPrefill:
         q_dtype: torch.float16 or torch.bfloat16. kv_dtype: the cache's, q_dtype (default) or
             torch.float8_e4m3fn (fp8 KV: dequantized on load, exactly, into q_dtype; run()
             takes the caches' scales k_scale / v_scale).
-        sm_scale: default 1 / sqrt(head_dim).
+        sm_scale: > 0; default 1 / sqrt(head_dim).
         Mask "custom": custom_mask, flattened bool, row-major [qo_len, kv_len] per request
             (length sum(qo_len * kv_len)); or packed_custom_mask (uint8, each request's bits
             packed little-endian from byte mask_indptr[b]) with mask_indptr [batch + 1] int32.
@@ -218,7 +218,7 @@ class BatchPrefill:
             total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, batch=batch,
             max_page=int(indices[:kv[-1]].max(initial=-1)),
-            sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
+            sm_scale=launch.resolve_sm_scale(sm_scale, head_dim),
             sizes=dict(batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                        qo_len=int(qo_lens.max(initial=0)), kv_len=int(kv_lens.max(initial=0))))
         return plan

@@ -7,12 +7,25 @@ page table; paged caches pass their page table and strides (NHD and HND differ o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from . import dtypes, jit, render
 from .dsl import ScalarParam
+
+
+def resolve_sm_scale(sm_scale, head_dim: int) -> float:
+    """The softmax scale: ``sm_scale``, or 1 / sqrt(head_dim) for None. Raises ValueError
+    unless it is a finite number > 0: the CUDA kernels fold it into the softmax's exponent,
+    where the maximum of the scaled scores must be the scaled maximum."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or \
+            not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise ValueError(f"sm_scale={sm_scale!r}: expected a finite number > 0")
+    return float(sm_scale)
 
 
 @dataclass

@@ -99,3 +99,15 @@ def test_a_captured_tensor_too_short_for_its_index_is_named_by_its_variable():
     with pytest.raises(ValueError, match=r"tensor 'bad \(score_captured0\)' .* indexed by "
                                          r"q_idx .* reaches 19, .* only 5 entries"):
         ja.attention(q, q, q, variant)
+
+
+@pytest.mark.parametrize("sm_scale", [0.0, -0.125, float("nan"), float("inf"), True, "0.1"])
+def test_bad_sm_scale(sm_scale):
+    """sm_scale must be a finite number > 0 (the CUDA kernels fold it into the exponent)."""
+    with pytest.raises(ValueError, match=r"sm_scale=.*expected a finite number > 0"):
+        ja.attention(*qkv(), V, sm_scale=sm_scale)
+    w = ja.BatchPrefill(V, page_size=1, kv_layout="ragged", device="cpu")
+    indptr = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"sm_scale=.*expected a finite number > 0"):
+        w.plan(indptr, torch.tensor([0, 12], dtype=torch.int32), None, None, 8, 2, 64,
+               sm_scale=sm_scale)

@@ -53,6 +53,11 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   constexpr int ND = HEAD_DIM / 8;         // 8-dim column blocks of O
   constexpr bool Q_IN_REGS = !WGMMA && MT == 1 && HEAD_DIM <= 128;  // else read from shared memory
   constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+  constexpr float RESCALE_SLACK = 8.f;  // log2 units: see the online softmax
+  // scores' factor before score_mod, and the softmax's factor from scores to log2 units
+  constexpr bool FOLD_SCALE = !Variant::HAS_SCORE_MOD && !Variant::SIGMOID;
+  const float score_scale = FOLD_SCALE ? 1.f : a.sm_scale;
+  const float exp_scale = FOLD_SCALE ? a.sm_scale * LOG2E : LOG2E;
   // An fp8 KV cache is copied as it is into the stages. Decode (FP8_REGS) converts it in
   // registers straight into the mma's B fragments: each lane reads the bytes of its fragments
   // with 16-byte loads, in a column order permuted so that they are contiguous (the same
@@ -170,13 +175,12 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     // The page-table lookups of all its rows are issued before any copy (one memory latency
     // per tile rather than one per row; looking a tile further ahead was measured no faster
     // on the H200 and costs registers, docs/performance.md v7).
-    constexpr int COPY_THREADS = SPLIT_KEYS ? WARP : WGMMA ? 128 : NUM_WARPS * WARP;
+    constexpr int COPY_THREADS = SPLIT_KEYS ? WARP : NUM_WARPS * WARP;
     constexpr int COPY_ROWS = SPLIT_KEYS ? KEYS_WARP : BLOCK_N;
     constexpr int ROWS_THREAD = COPY_ROWS * KV_CHUNKS / COPY_THREADS;
     static_assert(COPY_THREADS % KV_CHUNKS == 0 && COPY_ROWS * KV_CHUNKS % COPY_THREADS == 0,
                   "copy layout");
-    const unsigned copy_tid = SPLIT_KEYS ? threadIdx.x % WARP
-                              : WGMMA ? threadIdx.x % 128 : threadIdx.x;
+    const unsigned copy_tid = SPLIT_KEYS ? threadIdx.x % WARP : threadIdx.x;
     const int j0 = key_w + copy_tid / KV_CHUNKS, c = (copy_tid % KV_CHUNKS) * KV_CHUNK;
     // the barrier between a tile's copy and its use, and between its use and the next copy
     // into its stage
@@ -204,16 +208,41 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         const bool valid = loc[x].x >= 0;  // else zero-filled; the address is not read
         const int2 at = make_int2(max(loc[x].x, 0), loc[x].y);
         const int at_s = KV_FP8 ? j * KV_ROW + c : tile_at(BLOCK_N, j, c);
-        if (!WGMMA || wg == 0) cp_async_16(k_s + at_s, k_head + a.k_layout.row_offset(at), valid);
-        if (!WGMMA || wg == 1) cp_async_16(v_s + at_s, v_head + a.v_layout.row_offset(at), valid);
+        cp_async_16(k_s + at_s, k_head + a.k_layout.row_offset(at), valid);
+        cp_async_16(v_s + at_s, v_head + a.v_layout.row_offset(at), valid);
       }
     };
-    // WGMMA: this warpgroup's half (K or V) of the item's tile t, once the stage is empty
+    // WGMMA: warpgroup wg copies tensor wg (0: K, 1: V) of every tile, two threads per row:
+    // thread t takes rows t / 2, t / 2 + 64, ... and of each the 16-byte chunks q + 2i,
+    // q = t % 2, so that a row's two threads read whole 32-byte sectors together. In the
+    // swizzled panels chunk q + 2i of row r lands at (q ^ r % 8) ^ 2 (i % 4) of its panel row
+    // (q is bit 0, 2 (i % 4) bits 1-2), and r % 8 is the same for all of a thread's rows: the
+    // shared address is one XOR of a per-thread base plus constants, the global one a
+    // per-row pointer plus constants. (The copy of all threads above costs about 46
+    // instructions per row in address arithmetic at 16 rows per thread; ncu, session 5.)
+    constexpr int WS_ROWS = BLOCK_N / 64;  // rows per thread and tile
+    const int ws_r0 = (threadIdx.x % 128) / 2, ws_q = threadIdx.x % 2;
+    const KVLayout ws_layout = wg == 0 ? a.k_layout : a.v_layout;
+    const char* ws_head = reinterpret_cast<const char*>(
+        (wg == 0 ? a.k : a.v) + (long long)w.hk * ws_layout.stride_h) + ws_q * 16;
+    const unsigned ws_dst = ws_r0 * 128 + (ws_q ^ (ws_r0 % 8)) * 16;  // within a 1024-aligned tile
+    // this warpgroup's tensor of the item's tile t, once the stage is empty
     auto load_ws = [&](int t) {
       const int G = gt + t, stage = G % STAGES, use = G / STAGES;
       if (use > 0) mbar_wait(wg == 0 ? &empty_k[stage] : &empty_v[stage], (use - 1) & 1);
-      lookup(t);
-      copy_tile(stage);
+      const unsigned base = smem_addr(kv_s + (stage * 2 + wg) * BLOCK_N * TILE_ROW) + ws_dst;
+      const int t0 = range.x + t * BLOCK_N;
+#pragma unroll
+      for (int x = 0; x < WS_ROWS; ++x) {
+        const int j = t0 + ws_r0 + 64 * x;
+        const bool valid = j < range.y;  // else zero-filled; the address is not read
+        const int2 at = valid ? ws_layout.locate(req.kv_start, j) : make_int2(0, 0);
+        const char* src = ws_head + ws_layout.row_offset(at) * (long long)sizeof(KVType);
+#pragma unroll
+        for (int i = 0; i < CHUNKS / 2; ++i)
+          cp_async_16((base ^ ((i % 4) * 32)) + (i / 4) * BLOCK_N * 128 + x * 64 * 128,
+                      src + i * 32, valid);
+      }
       cp_async_mbar_arrive_noinc(wg == 0 ? &full_k[stage] : &full_v[stage]);
     };
     // fp8: the copied rows of staged tile `stage` (K and V) into the 16-bit tile, 16 elements
@@ -437,7 +466,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         }
       }
 
-      // scores: scale, score_mod, visibility
+      // scores: scale, score_mod, visibility. Without a score_mod the softmax takes the raw
+      // scores and folds sm_scale into its exponent's multiply (sm_scale > 0, checked on the
+      // host: the maximum of the scaled scores is then the scaled maximum)
       const bool whole = t0 + BLOCK_N <= range.y && Variant::MASK_MODE != 2 &&
                          Variant::MASK_MODE != 3 && !Variant::HAS_MASK_MOD &&
                          (!Variant::CAUSAL || t0 + BLOCK_N - 1 <= pos_first) &&
@@ -450,8 +481,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         for (int e = 0; e < 4; ++e) {
           const RowInfo& r = ri[mt][e / 2];
           const int kv_idx = t0 + key_w + n * 8 + (lane % 4) * 2 + (e % 2);
-          float x = Variant::score_mod(p, vrow[mt][e / 2], s[mt][n][e] * a.sm_scale, w.b, r.h,
-                                       r.q_pos, kv_idx);
+          float x = Variant::score_mod(p, vrow[mt][e / 2], s[mt][n][e] * score_scale, w.b,
+                                       r.h, r.q_pos, kv_idx);
           if (!whole) {
             bool vis = r.valid && kv_idx < range.y;  // padding rows read no mask data
             if (Variant::CAUSAL) vis = vis && kv_idx <= r.q_pos;
@@ -477,6 +508,11 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
               l[mt][e / 2] += x;
             }
         } else {
+          // The running maximum m (log2 units) moves only when a tile's maximum exceeds it by
+          // more than RESCALE_SLACK: P = 2^(s - m) then stays below 2^8, which fp16/bf16 P and
+          // the fp32 sums hold exactly as well, and O and l are rescaled far less often. Any
+          // m gives the same O / l and lse = m + log2 l (FlashAttention-4's conditional
+          // rescaling, docs/sources.md).
           float base[2], alpha[2];
           bool grew = false;
 #pragma unroll
@@ -487,7 +523,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
               mx = fmaxf(mx, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[mt][h], mx * LOG2E);
+            const float m_max = fmaxf(m[mt][h], mx * exp_scale);
+            // (-inf to finite: the difference is +inf; -inf to -inf: NaN, also not kept)
+            const float m_new = m_max - m[mt][h] <= RESCALE_SLACK ? m[mt][h] : m_max;
             base[h] = m_new == -JA_INF ? 0.f : m_new;  // nothing visible yet: p = 0
             alpha[h] = exp2_approx(m[mt][h] - base[h]);
             grew = grew || m_new != m[mt][h];
@@ -501,7 +539,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
               for (int n = 0; n < NB; ++n)
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                  s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], LOG2E, -base[h]));
+                  s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], exp_scale, -base[h]));
                   sum[h] += s[mt][n][e];
                 }
             wgmma_wait<0>();
@@ -531,7 +569,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
               for (int n = 0; n < NB; ++n)
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                  s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], LOG2E, -base[h]));
+                  s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], exp_scale, -base[h]));
                   l[mt][h] += s[mt][n][e];
                 }
           }

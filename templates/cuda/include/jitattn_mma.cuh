@@ -90,9 +90,12 @@ __device__ __forceinline__ void load_words(unsigned (&w)[N], const void* p) {
     for (int i = 0; i < N; ++i) w[i] = reinterpret_cast<const unsigned*>(p)[i];
   }
 }
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+               :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+  cp_async_16(smem_addr(dst), src, valid);
 }
 // mbarriers in shared memory (PTX ISA "mbarrier"): a phase completes after `count` arrivals;
 // waiting names the parity of the phase to wait for
