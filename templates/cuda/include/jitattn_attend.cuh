@@ -212,20 +212,19 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         cp_async_16(v_s + at_s, v_head + a.v_layout.row_offset(at), valid);
       }
     };
-    // WGMMA: warpgroup wg copies tensor wg (0: K, 1: V) of every tile, two threads per row:
-    // thread t takes rows t / 2, t / 2 + 64, ... and of each the 16-byte chunks q + 2i,
-    // q = t % 2, so that a row's two threads read whole 32-byte sectors together. In the
-    // swizzled panels chunk q + 2i of row r lands at (q ^ r % 8) ^ 2 (i % 4) of its panel row
-    // (q is bit 0, 2 (i % 4) bits 1-2), and r % 8 is the same for all of a thread's rows: the
-    // shared address is one XOR of a per-thread base plus constants, the global one a
-    // per-row pointer plus constants. (The copy of all threads above costs about 46
-    // instructions per row in address arithmetic at 16 rows per thread; ncu, session 5.)
-    constexpr int WS_ROWS = BLOCK_N / 64;  // rows per thread and tile
-    const int ws_r0 = (threadIdx.x % 128) / 2, ws_q = threadIdx.x % 2;
+    // WGMMA: warpgroup wg copies tensor wg (0: K, 1: V) of every tile. Thread t copies the
+    // 16-byte chunk q = t % 8 of each 64-column panel of rows t / 8 + 16 x, so that a warp's
+    // copy reads four whole 128-byte lines (one request each at the L2). In the swizzled panels
+    // chunk q of row r lands at q ^ r % 8, the same for all of a thread's rows: the shared
+    // address is a per-thread base plus constants, the global one a per-row pointer plus
+    // constants. (The generic copy above costs 46 instructions per row in address arithmetic
+    // here; two threads per row, 32 bytes each, quadrupled the L2 requests; ncu, session 5.)
+    constexpr int WS_ROWS = BLOCK_N / 16, PANELS = HEAD_DIM / 64;  // per thread and tile
+    const int ws_r0 = (threadIdx.x % 128) / 8, ws_q = threadIdx.x % 8;
     const KVLayout ws_layout = wg == 0 ? a.k_layout : a.v_layout;
     const char* ws_head = reinterpret_cast<const char*>(
         (wg == 0 ? a.k : a.v) + (long long)w.hk * ws_layout.stride_h) + ws_q * 16;
-    const unsigned ws_dst = ws_r0 * 128 + (ws_q ^ (ws_r0 % 8)) * 16;  // within a 1024-aligned tile
+    const unsigned ws_dst = ws_r0 * 128 + (ws_q ^ (ws_r0 % 8)) * 16;  // within a tile
     // this warpgroup's tensor of the item's tile t, once the stage is empty
     auto load_ws = [&](int t) {
       const int G = gt + t, stage = G % STAGES, use = G / STAGES;
@@ -234,14 +233,13 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       const int t0 = range.x + t * BLOCK_N;
 #pragma unroll
       for (int x = 0; x < WS_ROWS; ++x) {
-        const int j = t0 + ws_r0 + 64 * x;
+        const int j = t0 + ws_r0 + 16 * x;
         const bool valid = j < range.y;  // else zero-filled; the address is not read
         const int2 at = valid ? ws_layout.locate(req.kv_start, j) : make_int2(0, 0);
         const char* src = ws_head + ws_layout.row_offset(at) * (long long)sizeof(KVType);
 #pragma unroll
-        for (int i = 0; i < CHUNKS / 2; ++i)
-          cp_async_16((base ^ ((i % 4) * 32)) + (i / 4) * BLOCK_N * 128 + x * 64 * 128,
-                      src + i * 32, valid);
+        for (int pn = 0; pn < PANELS; ++pn)
+          cp_async_16(base + pn * BLOCK_N * 128 + x * 16 * 128, src + pn * 128, valid);
       }
       cp_async_mbar_arrive_noinc(wg == 0 ? &full_k[stage] : &full_v[stage]);
     };
