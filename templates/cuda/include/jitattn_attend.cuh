@@ -231,12 +231,18 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       if (use > 0) mbar_wait(wg == 0 ? &empty_k[stage] : &empty_v[stage], (use - 1) & 1);
       const unsigned base = smem_addr(kv_s + (stage * 2 + wg) * BLOCK_N * TILE_ROW) + ws_dst;
       const int t0 = range.x + t * BLOCK_N;
+      // every row's page-table lookup before any copy: one memory latency per tile
+      int2 at[WS_ROWS];
 #pragma unroll
       for (int x = 0; x < WS_ROWS; ++x) {
         const int j = t0 + ws_r0 + 16 * x;
-        const bool valid = j < range.y;  // else zero-filled; the address is not read
-        const int2 at = valid ? ws_layout.locate(req.kv_start, j) : make_int2(0, 0);
-        const char* src = ws_head + ws_layout.row_offset(at) * (long long)sizeof(KVType);
+        at[x] = j < range.y ? ws_layout.locate(req.kv_start, j) : make_int2(-1, 0);
+      }
+#pragma unroll
+      for (int x = 0; x < WS_ROWS; ++x) {
+        const bool valid = at[x].x >= 0;  // else zero-filled; the address is not read
+        const char* src = ws_head + ws_layout.row_offset(make_int2(max(at[x].x, 0), at[x].y)) *
+                                        (long long)sizeof(KVType);
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn)
           cp_async_16(base + pn * BLOCK_N * 128 + x * 16 * 128, src + pn * 128, valid);
