@@ -535,8 +535,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
             grew = grew || m_new != m[mt][h];
             m[mt][h] = m_new;
           }
-          [[maybe_unused]] float sum[2] = {0.f, 0.f};
-          if constexpr (WGMMA) {  // P first, while the previous product finishes
+          auto exponentiate = [&](float (&row_sum)[2]) {  // s becomes P, summed per row
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -544,8 +543,12 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e) {
                   s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], exp_scale, -base[h]));
-                  sum[h] += s[mt][n][e];
+                  row_sum[h] += s[mt][n][e];
                 }
+          };
+          [[maybe_unused]] float sum[2] = {0.f, 0.f};
+          if constexpr (WGMMA) {  // P first, while the previous product finishes
+            exponentiate(sum);
             wgmma_wait<0>();
             wgmma_hold(*reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]));
           }
@@ -567,15 +570,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
             l[mt][0] += sum[0];
             l[mt][1] += sum[1];
           } else {
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-              for (int n = 0; n < NB; ++n)
-#pragma unroll
-                for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                  s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], exp_scale, -base[h]));
-                  l[mt][h] += s[mt][n][e];
-                }
+            exponentiate(l[mt]);
           }
         }
       }
