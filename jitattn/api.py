@@ -3,7 +3,6 @@ reading indptr tensors that live on the GPU (pass them on the CPU to avoid that 
 
 from __future__ import annotations
 
-
 import torch
 
 from . import dtypes, launch, ops

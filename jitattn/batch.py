@@ -312,6 +312,10 @@ class BatchPrefill:
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                         not math.isfinite(value) or value <= 0:
                     raise ValueError(f"{name}={value!r}: expected a finite Python float > 0")
+            scale = self._planned.get("sm_scale", 1.0) * k_scale  # the kernels' softmax scale
+            if not launch.positive_f32(scale):
+                raise ValueError(f"k_scale={k_scale!r}: sm_scale x k_scale = {scale!r} must be "
+                                 f"finite and > 0 as float32")
         k_cache, v_cache = self._split_cache(kv_cache)
         self._check_run(q, k_cache, v_cache)
         pl, plan, ws = self._planned, self._plan, self._ws

@@ -8,6 +8,7 @@ page table; paged caches pass their page table and strides (NHD and HND differ o
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -16,15 +17,21 @@ from . import dtypes, jit, render
 from .dsl import ScalarParam
 
 
+def positive_f32(x: float) -> bool:
+    """Whether x, rounded to float32 as the kernels take it, is finite and > 0."""
+    return 0 < x < 3.4e38 and struct.unpack("f", struct.pack("f", x))[0] > 0
+
+
 def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     """The softmax scale: ``sm_scale``, or 1 / sqrt(head_dim) for None. Raises ValueError
-    unless it is a finite number > 0: the CUDA kernels fold it into the softmax's exponent,
-    where the maximum of the scaled scores must be the scaled maximum."""
+    unless it is a number that float32 holds as finite and > 0 (the kernels take it as
+    float32; without a score_mod the CUDA kernels fold it into the softmax's exponent, where
+    the maximum of the scaled scores must be the scaled maximum)."""
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or \
-            not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"sm_scale={sm_scale!r}: expected a finite number > 0")
+            not positive_f32(float(sm_scale)):
+        raise ValueError(f"sm_scale={sm_scale!r}: expected a finite number > 0 (as float32)")
     return float(sm_scale)
 
 

@@ -101,7 +101,8 @@ def test_a_captured_tensor_too_short_for_its_index_is_named_by_its_variable():
         ja.attention(q, q, q, variant)
 
 
-@pytest.mark.parametrize("sm_scale", [0.0, -0.125, float("nan"), float("inf"), True, "0.1"])
+@pytest.mark.parametrize("sm_scale", [0.0, -0.125, float("nan"), float("inf"), True, "0.1",
+                                      1e-46, 1e39])
 def test_bad_sm_scale(sm_scale):
     """sm_scale must be a finite number > 0 (the CUDA kernels fold it into the exponent)."""
     with pytest.raises(ValueError, match=r"sm_scale=.*expected a finite number > 0"):

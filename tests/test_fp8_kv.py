@@ -61,7 +61,7 @@ def test_fp8_kv_errors_name_the_argument():
     with pytest.raises(TypeError, match="k_cache has dtype torch.float16; the plan was made "
                                         "for kv_dtype=torch.float8_e4m3fn"):
         w.run(q, kv_cache)
-    for bad in (0.0, -1.0, float("nan"), True, "1"):
+    for bad in (0.0, -1.0, float("nan"), True, "1", 1e-45):  # 1e-45 x sm_scale: 0 in float32
         with pytest.raises(ValueError, match="k_scale="):
             w.run(q, cache8, k_scale=bad)
     out = w.run(q, cache8, v_scale=2.0)

@@ -81,17 +81,21 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // overlap): tile i issues S_i = Q K_i^T and then O += P_{i-1} V_{i-1}, waits for S_i only,
   // and waits for the product just before rescaling O. V of tile i - 1 is then still read
   // while tile i + 1 is copied: three stages.
-  // The warpgroups do not meet at block barriers: warpgroup 0 copies the K tiles and
-  // warpgroup 1 the V tiles (cp.async, completion signalled on an mbarrier per stage: full),
-  // every thread signals when its warpgroup's products no longer read a stage (empty), and the
-  // two warpgroups take turns issuing their products (two named barriers; FlashAttention-3's
-  // ping-pong, section 3.1), so that one's softmax runs under the other's products. Warpgroup
-  // 0 leads by about half a tile: it copies K, which both read first, and warpgroup 1 copies V,
-  // which both read last, so neither waits for the other to copy.
+  // Within a work item the two warpgroups do not meet at block barriers: warpgroup 0 copies
+  // the K tiles and warpgroup 1 the V tiles (cp.async, completion signalled on an mbarrier
+  // per stage: full), every thread signals when its warpgroup's products no longer read a
+  // stage (empty), and the two warpgroups take turns issuing their products (two named
+  // barriers; FlashAttention-3's ping-pong, section 3.1), so that one's softmax runs under the
+  // other's products. Warpgroup 0 leads by about half a tile: it copies K, which both read
+  // first, and warpgroup 1 copies V, which both read last, so neither waits for the other to
+  // copy. Between work items the block barriers of for_each_work and of the Q copy remain
+  // (the next item's Q overwrites q_s): the pipeline drains there, and only the mbarrier
+  // phases carry over (gt counts the CTA's tiles across its items).
   static_assert(!WGMMA || (!SPLIT_KEYS && !KV_FP8 && Variant::ROPE == 0 && ROWS_WARP == 16 &&
-                           NUM_WARPS % 4 == 0 && HEAD_DIM % 64 == 0 && BLOCK_N % 64 == 0 &&
+                           NUM_WARPS == 8 && HEAD_DIM % 64 == 0 && BLOCK_N % 64 == 0 &&
                            STAGES >= 3),
-                "wgmma: prefill over a 16-bit cache without RoPE, a warpgroup per 64 rows, "
+                "wgmma: prefill over a 16-bit cache without RoPE, two warpgroups of 64 rows "
+                "(the barrier counts, named barriers and the K / V copy split assume two), "
                 "three stages");
   constexpr int TILE_ROW = WGMMA ? HEAD_DIM : ROW;  // elements per row of a 16-bit tile
   constexpr int KV_ROW = KV_FP8 ? HEAD_DIM + (FP8_REGS ? 16 : 0) : TILE_ROW;
@@ -157,7 +161,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     const int pos_last = req.kv_len - req.q_len + row_last / g;
 
     // Q tile (rows past the request zero-filled), then K/V tiles 0 .. STAGES - 2: one cp.async
-    // group each
+    // group each (WGMMA: the K/V copies are tracked by mbarriers, not groups)
     for (int i = threadIdx.x; i < ROWS_CTA * CHUNKS; i += blockDim.x) {
       const int r = i / CHUNKS, c = (i % CHUNKS) * 8, packed = w.row0 + r;
       const bool valid = packed < packed_rows;
@@ -281,7 +285,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         cp_async_commit();
       }
     }
-    cp_async_wait<WGMMA ? 0 : STAGES - 1>();  // Q has landed (WGMMA: the only group)
+    cp_async_wait<WGMMA ? 0 : STAGES - 1>();  // Q has landed (WGMMA: and the copies before)
     if constexpr (WGMMA) fence_proxy_async();
     __syncthreads();
     rope_tile<DType, HEAD_DIM, ROW>(q_s, ROWS_CTA, [&](int r) {
@@ -363,7 +367,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         }
         cp_async_commit();
       }
-      const int G = gt + tile;  // WGMMA
+      [[maybe_unused]] const int G = gt + tile;  // WGMMA
       if constexpr (WGMMA) {
         mbar_wait(&full_k[G % STAGES], (G / STAGES) & 1);  // K of tile `tile` has landed
         if constexpr (!FIRST)  // and V of the one before, for the product issued with S
