@@ -19,7 +19,11 @@ def _check_qkv(q, k, v) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
-            raise ValueError(f"{name} must have 3 dimensions {shape}, got shape {tuple(t.shape)}")
+            hint = (f" (from SDPA's [batch, heads, seq, head_dim]: {name}.transpose(1, 2)"
+                    f".reshape(-1, heads, head_dim), with qo_indptr / kv_indptr marking the "
+                    f"requests)") if t.dim() == 4 else ""
+            raise ValueError(f"{name} must have 3 dimensions {shape}, got shape "
+                             f"{tuple(t.shape)}{hint}")
         if t.dtype not in dtypes.QKV_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float16 or "
                             f"torch.bfloat16")

@@ -258,7 +258,8 @@ class BatchPrefill:
             raise ValueError(f"q has shape {tuple(getattr(q, 'shape', ()))}; the plan expects "
                              f"{want_q}")
         if q.dtype != pl["dtype"]:
-            raise TypeError(f"q has dtype {q.dtype}; the plan was made for {pl['dtype']}")
+            raise TypeError(f"q has dtype {q.dtype}; the plan was made for {pl['dtype']} "
+                            f"(plan(..., q_dtype=) sets it)")
         hkv, d, ps = pl["num_kv_heads"], pl["head_dim"], self.page_size
         page = {"NHD": (ps, hkv, d), "HND": (hkv, ps, d), "ragged": (hkv, d)}[self.kv_layout]
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):

@@ -203,8 +203,9 @@ class Variant:
         expected = set(self.runtime_param_names)
         extra, missing = set(params) - expected, expected - set(params)
         if extra:
+            hint = " (the softmax scale is the sm_scale= argument)" if "scale" in extra else ""
             raise ValueError(f"unexpected parameter(s) {sorted(extra)} for variant "
-                             f"{self.name!r}; it takes {sorted(expected) or 'none'}")
+                             f"{self.name!r}; it takes {sorted(expected) or 'none'}{hint}")
         if missing:
             raise ValueError(f"missing parameter(s) {sorted(missing)} for variant "
                              f"{self.name!r}; it takes {sorted(expected)}")

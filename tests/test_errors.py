@@ -112,3 +112,17 @@ def test_bad_sm_scale(sm_scale):
     with pytest.raises(ValueError, match=r"sm_scale=.*expected a finite number > 0"):
         w.plan(indptr, torch.tensor([0, 12], dtype=torch.int32), None, None, 8, 2, 64,
                sm_scale=sm_scale)
+
+
+def test_hints_for_ported_code():
+    """Mistakes of code ported from SDPA / FlexAttention get a hint at the fix."""
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"q\.transpose\(1, 2\)\.reshape"):
+        ja.attention(q[None].transpose(1, 2), k, v, V)
+    with pytest.raises(ValueError, match="the softmax scale is the sm_scale= argument"):
+        ja.attention(q, k, v, V, scale=0.1)
+    w = ja.BatchPrefill(V, page_size=1, kv_layout="ragged", device="cpu")
+    w.plan(torch.tensor([0, 10], dtype=torch.int32), torch.tensor([0, 12], dtype=torch.int32),
+           None, None, 8, 2, 64)
+    with pytest.raises(TypeError, match=r"plan\(\.\.\., q_dtype=\) sets it"):
+        w.run(q.bfloat16(), (k.bfloat16(), v.bfloat16()))
