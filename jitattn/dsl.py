@@ -19,6 +19,8 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import traceback
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -210,6 +212,20 @@ class Expr:
         return f"Expr<{self.kind}>({emit_cpp(self)})"
 
 
+def _offending_line(error: BaseException) -> str:
+    """'; file:line: `code`' of the innermost frame of user code (outside jitattn, torch and
+    numpy) in the error's traceback: the line whose construct could not be traced. '' when
+    there is none."""
+    libraries = tuple(str(Path(m.__file__).resolve().parent) for m in (dtypes, torch, np))
+    user = [f for f in traceback.extract_tb(error.__traceback__)
+            if not str(Path(f.filename).resolve()).startswith(libraries)]
+    if not user:
+        return ""
+    f = user[-1]
+    code = f" `{f.line.strip()}`" if f.line else ""
+    return f"; failing line {Path(f.filename).name}:{f.lineno}{code}"
+
+
 def _lift(x) -> Expr:
     if isinstance(x, Expr):
         return x
@@ -384,7 +400,7 @@ def trace(fn, kind: str) -> Traced:
     try:
         out = fn(*args)
     except SpecError as e:
-        raise SpecError(f"{label} (defined at {src}): {e}") from None
+        raise SpecError(f"{label} (defined at {src}{_offending_line(e)}): {e}") from None
     except RecursionError:
         raise SpecError(f"{label} (defined at {src}): expression too deeply nested") from None
     except Exception as e:  # noqa: BLE001 -- any failure inside user code is a spec problem

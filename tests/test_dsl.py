@@ -135,8 +135,12 @@ def test_errors_name_the_function_and_its_arguments():
         trace_score(my_mod)
 
     def branchy(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx if q_idx > 3 else True
-    with pytest.raises(SpecError, match=r"mask_mod 'branchy' \(defined at .*test_dsl.py:\d+\)"):
+        near = q_idx - kv_idx
+        return q_idx >= kv_idx if near > 3 else True
+    line = branchy.__code__.co_firstlineno + 2  # the `if`, not the `def`
+    with pytest.raises(SpecError, match=rf"mask_mod 'branchy' \(defined at .*test_dsl.py:\d+; "
+                                        rf"failing line test_dsl.py:{line} `return q_idx >= kv_idx "
+                                        rf"if near > 3 else True`\)"):
         dsl.trace(branchy, "mask_mod")
 
 
