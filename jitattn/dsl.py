@@ -20,8 +20,8 @@ import inspect
 import math
 import re
 import traceback
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch

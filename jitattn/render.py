@@ -68,8 +68,8 @@ def tiles_for(kind: str, head_dim: int, *, arch: str | None = None, kv_fp8: bool
     (GQA groups up to 16 in one tile), 4 warps taking 16 keys each of 64-key tiles, three tiles
     in flight (two at head_dim 256, whose three would need 211 KB of shared memory, more than
     an A100 has). On Hopper (arch "sm_90a"), prefill at head_dim 64 and 128 over a 16-bit cache
-    without RoPE runs on wgmma: 2 warpgroups x 64 rows over 128-key tiles, three in flight. Measured on the H200
-    (docs/performance.md)."""
+    without RoPE runs on wgmma: 2 warpgroups x 64 rows over 128-key tiles, three in flight.
+    Measured on the H200 (docs/performance.md)."""
     if kind == "prefill" and arch == "sm_90a" and head_dim in (64, 128) and not kv_fp8 \
             and not rope:
         return Tiles(8, 16, 128, stages=3, wgmma=True)
