@@ -61,9 +61,11 @@ class Cache:
 
     @staticmethod
     def _prepare(root: Path) -> None:
-        if not root.exists():
+        try:
             root.mkdir(parents=True, mode=0o700)
             os.chmod(root, 0o700)  # mkdir's mode is filtered by the umask
+        except FileExistsError:
+            pass  # made earlier, or by a process starting beside this one
         probe = root / f".probe-{uuid.uuid4().hex}"
         probe.write_bytes(b"")
         probe.unlink()

@@ -108,6 +108,8 @@ CHILD = textwrap.dedent("""
     import jitattn as ja
     from jitattn import jit, render
     from helpers import check, make_batch
+    from jitattn.cache import Cache
+    assert Cache().fallback_reason is None, Cache().fallback_reason
     v = ja.Variant("cachetest", score_mod=ja.soft_cap(20.0))
     path, built = jit.compile_cached(render.render_cpu(v, head_dim=64), None)
     q, k, vv, _, _ = make_batch([19], [23], 4, 2, 64, torch.float16, "cpu", seed=1)
@@ -124,9 +126,23 @@ def test_concurrent_processes_build_once(fresh_cache):
     results = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [r[1] for r in results]
     outcomes = sorted(r[0].strip() for r in results)
-    assert outcomes == ["BUILT", "LOADED", "LOADED", "LOADED"]
+    assert outcomes == ["BUILT", "LOADED", "LOADED", "LOADED"], [r[1] for r in results]
     entries = [p for p in fresh_cache.iterdir() if p.is_dir()]
     assert len(entries) == 1  # no staging folders left behind
+
+
+def test_processes_starting_together_share_a_fresh_root(tmp_path):
+    """Several processes creating the same new cache root at once all use it: none loses the
+    race to mkdir and falls back to a private folder (which would build the kernel again)."""
+    code = ("import sys; from pathlib import Path; from jitattn.cache import Cache; "
+            "print(Cache(Path(sys.argv[1])).fallback_reason)")
+    for trial in range(2):
+        root = tmp_path / str(trial) / "nested" / "cache"
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True) for _ in range(6)]
+        reasons = [p.communicate(timeout=120)[0].strip() for p in procs]
+        assert reasons == ["None"] * 6, reasons
+        assert stat.S_IMODE(root.stat().st_mode) == 0o700
 
 
 def test_cache_ls_and_clear(fresh_cache):
