@@ -23,7 +23,7 @@ import torch
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
 from .plan import Plan, make_plan
-from .render import HEAD_DIMS, tiles_for
+from .render import HEAD_DIMS, QUERY_TILES, query_kind, tiles_for
 from .spec import Variant
 from .workspace import Workspace
 
@@ -71,6 +71,12 @@ class BatchPrefill:
     max_work_items scheduled items, max_partial_rows split-KV partial states, max_mask_bytes
     of bit-packed custom mask, max_item_tokens multi-item token positions.
     split_kv: let the scheduler cut long KV ranges into chunks merged afterwards.
+    query_tile: "auto" (default) runs a batch whose requests all have at most 16 packed query
+        rows (qo_len x num_qo_heads / num_kv_heads) on the decode kernel's 16-row tiles, whose
+        warps split the keys, and other batches on the prefill kernel's 128-row tiles
+        (render.query_kind); "short" / "long" fix one. Each plan() chooses; once run() has
+        been captured in a CUDA graph, later plans keep the captured kernel's tiles (the graph
+        replays that kernel), whatever their query lengths.
     Algorithm: FlashInfer (Ye et al. 2025, arXiv 2501.01005), sections 3.1 and 3.3.
     """
 
@@ -80,13 +86,17 @@ class BatchPrefill:
                  device=None, max_batch_size: int = 4096, max_num_pages: int = 1 << 20,
                  max_work_items: int = 1 << 16, max_partial_rows: int = 1 << 14,
                  max_mask_bytes: int = 1 << 24, max_item_tokens: int = 1 << 20,
-                 split_kv: bool = True):
+                 split_kv: bool = True, query_tile: str = "auto"):
         if not isinstance(variant, Variant):
             raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size={page_size!r}: expected an int >= 1")
         if kv_layout not in LAYOUTS:
             raise ValueError(f"kv_layout={kv_layout!r}: expected one of {LAYOUTS}")
+        if query_tile not in QUERY_TILES:
+            raise ValueError(f"query_tile={query_tile!r}: expected one of {QUERY_TILES}")
+        self.query_tile = query_tile
+        self._captured_kind: str | None = None  # the kernel a CUDA graph captured run() with
         self.variant, self.page_size, self.kv_layout = variant, page_size, kv_layout
         self.device = resolve_device(device)
         self._handle = ops.register_wrapper(self)  # torch.compile: the op finds us by it
@@ -190,7 +200,8 @@ class BatchPrefill:
         qo_lens = np.diff(qo)
         mask = masks_mod.mask_arrays(self.variant.mask, masks or {}, qo_lens, kv_lens,
                                      self.capacity)
-        kernel_kind = self._kind
+        kernel_kind = self._kernel_kind(int(qo_lens.max(initial=0)) * (num_qo_heads //
+                                                                        num_kv_heads), head_dim)
         rows, num_ctas, kv_tile = self._launch_shape(kernel_kind, q_dtype, kv_dtype, head_dim)
         plan = make_plan(qo_lens, kv_lens, kv[:-1], num_qo_heads=num_qo_heads,
                          num_kv_heads=num_kv_heads, rows_per_cta=rows, num_ctas=num_ctas,
@@ -216,12 +227,21 @@ class BatchPrefill:
         self._device_plan = self._ws.device_plan(plan)
         self._planned = dict(
             total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, batch=batch,
+            head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, batch=batch, kind=kernel_kind,
             max_page=int(indices[:kv[-1]].max(initial=-1)),
             sm_scale=launch.resolve_sm_scale(sm_scale, head_dim),
             sizes=dict(batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                        qo_len=int(qo_lens.max(initial=0)), kv_len=int(kv_lens.max(initial=0))))
         return plan
+
+    def _kernel_kind(self, max_packed_rows: int, head_dim: int) -> str:
+        """The kernel this plan runs on: BatchDecode's is "decode"; BatchPrefill's follows
+        query_tile, or the kernel a CUDA graph captured (see the class docstring)."""
+        if self._kind == "decode":
+            return "decode"
+        if self._captured_kind is not None:
+            return self._captured_kind
+        return query_kind(max_packed_rows, head_dim, self.query_tile)
 
     def _launch_shape(self, kind, q_dtype, kv_dtype, head_dim) -> tuple[int, int, int]:
         """(packed rows per work item, persistent CTAs, keys per K/V tile): the kernel's on the
@@ -328,11 +348,13 @@ class BatchPrefill:
         kv = launch.KVView.ragged(k_cache, v_cache) if self.kv_layout == "ragged" else \
             launch.KVView.paged(k_cache, v_cache, ws.view("kv_indices"), self.kv_layout)
         launch.run_attention(q, kv, out, lse, self.variant, bound,
-                             num_kv_heads=pl["num_kv_heads"], kind=self._kind, plan=device_plan,
+                             num_kv_heads=pl["num_kv_heads"], kind=pl["kind"], plan=device_plan,
                              batch=pl["batch"], max_qo_len=pl["sizes"]["qo_len"],
                              single_qo_len=0, single_kv_len=0,
                              sm_scale=pl["sm_scale"] * k_scale)
         capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            self._captured_kind = pl["kind"]
         if capturing or len(plan.merge_rows):
             # always while a CUDA graph is captured: the row count is read on the device, so
             # the graph replays correctly after a plan with more (or fewer) merges
@@ -388,6 +410,9 @@ class BatchDecode(BatchPrefill):
 
     def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD",
                  **kwargs):
+        if "query_tile" in kwargs:
+            raise TypeError("BatchDecode takes no query_tile: one query per request always "
+                            "runs on the decode kernel's tiles")
         super().__init__(variant, page_size, kv_layout, **kwargs)
         if variant.mask not in ("none", "causal"):
             raise ValueError(f"BatchDecode takes variants with mask 'none' or 'causal'; "

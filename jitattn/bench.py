@@ -132,7 +132,10 @@ def _flex(q, k, v, causal, score_mod=None, window_left=None):
 
 
 def _paged_decode_case(batch_lens, hq, hkv, head_dim, page_size, dtype, split_kv=True,
-                       kv_dtype=None):
+                       kv_dtype=None, qo_len=None, query_tile="auto"):
+    """A planned decode over random paged caches of batch_lens tokens, as (run, cache). With
+    qo_len: a BatchPrefill of qo_len queries per request at the end of its KV (speculative
+    verification), on the query tiles ``query_tile``."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     pages = [-(-n // page_size) for n in batch_lens]
     num_pages = sum(pages)
@@ -143,10 +146,18 @@ def _paged_decode_case(batch_lens, hq, hkv, head_dim, page_size, dtype, split_kv
     indices = torch.randperm(num_pages, dtype=torch.int32)
     last = torch.tensor([n - (p - 1) * page_size for n, p in zip(batch_lens, pages)],
                         dtype=torch.int32)
-    q = torch.randn(len(batch_lens), hq, head_dim, generator=gen, device="cuda", dtype=dtype)
-    w = ja.BatchDecode(ja.Variant("decode", mask="causal"), page_size=page_size,
-                       split_kv=split_kv)
-    w.plan(indptr, indices, last, hq, hkv, head_dim, q_dtype=dtype, kv_dtype=kv_dtype)
+    variant = ja.Variant("decode", mask="causal")
+    q = torch.randn(len(batch_lens) * (qo_len or 1), hq, head_dim, generator=gen,
+                    device="cuda", dtype=dtype)
+    if qo_len is None:
+        w = ja.BatchDecode(variant, page_size=page_size, split_kv=split_kv)
+        w.plan(indptr, indices, last, hq, hkv, head_dim, q_dtype=dtype, kv_dtype=kv_dtype)
+    else:
+        w = ja.BatchPrefill(variant, page_size=page_size, split_kv=split_kv,
+                            query_tile=query_tile)
+        qo_indptr = torch.arange(0, len(batch_lens) * qo_len + 1, qo_len, dtype=torch.int32)
+        w.plan(qo_indptr, indptr, indices, last, hq, hkv, head_dim, q_dtype=dtype,
+               kv_dtype=kv_dtype)
     out = torch.empty_like(q)
     return (lambda: w.run(q, cache, out=out)), cache
 
@@ -180,6 +191,26 @@ def bench_decode(quick: bool = False) -> list[dict]:
                      "vs_fp16": results["jitattn (paged)"] / fp8_ms,
                      "ms": fp8_ms, "TBps": kv_bytes / 2 / fp8_ms / 1e9,
                      "pct_copy": 100 * kv_bytes / 2 / fp8_ms / 1e9 / ceil["copy_TBps"]})
+    # speculative verification: 4 draft tokens per request, causal at the end of the KV; the
+    # 16-row tiles ("auto" here: 4 queries x GQA 4) beside the prefill kernel's 128-row tiles
+    batch, kv_len, drafts = 64, 4096, 4
+    kv_bytes = 2 * batch * kv_len * hkv * d * 2
+    results = {}
+    for label, tile in (("jitattn (16-row tiles)", "auto"), ("jitattn (128-row tiles)", "long")):
+        run, _ = _paged_decode_case([kv_len] * batch, hq, hkv, d, page, dtype, qo_len=drafts,
+                                    query_tile=tile)
+        results[label] = timed(run)
+    if not quick:
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        q = torch.randn(batch, hq, drafts, d, generator=gen, device="cuda", dtype=dtype)
+        k = torch.randn(batch, hkv, kv_len, d, generator=gen, device="cuda", dtype=dtype)
+        fn = _flex(q, k, k, True)
+        if fn is not None:
+            results["FlexAttention"] = timed(fn)
+    for name, ms in results.items():
+        rows.append({"case": f"verify b{batch} q{drafts} kv{kv_len}", "impl": name, "ms": ms,
+                     "TBps": kv_bytes / ms / 1e9,
+                     "pct_copy": 100 * kv_bytes / ms / 1e9 / ceil["copy_TBps"]})
     # skewed batch: one long request among short ones, with and without KV splitting
     lens = [32768] + [512] * 63
     kv_bytes = 2 * sum(lens) * hkv * d * 2

@@ -280,3 +280,62 @@ def test_device_defaults_to_what_the_machine_has():
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_linear_partition_schedule_matches_reference(kind, monkeypatch):
     check_linear_partition(kind, "cpu", monkeypatch)
+
+
+def _short_batch(variant, qo_lens, kv_lens, hq, hkv, page_size, query_tile, **mask):
+    cache, kv_indptr, kv_indices, last = make_paged(kv_lens, hkv, 64, page_size, "NHD",
+                                                    torch.float16, "cpu", seed=page_size)
+    q, *_ = make_batch(qo_lens, kv_lens, hq, hkv, 64, torch.float16, "cpu", seed=61)
+    qo_indptr = _cumsum(qo_lens)
+    w = ja.BatchPrefill(variant, page_size=page_size, device="cpu", query_tile=query_tile)
+    plan = w.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hkv, 64, **mask)
+    out, _ = check_batch(w, variant, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last,
+                         "NHD", **mask)
+    return plan, out
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("variant", [ja.Variant("causal", mask="causal"),
+                                     ja.Variant("window", mask="causal", window_left=5),
+                                     ja.Variant("softcap", mask="none",
+                                                score_mod=ja.soft_cap(20.0))],
+                         ids=lambda v: v.name)
+def test_short_queries_take_the_16_row_tiles(variant, page_size):
+    """Speculative verification shapes (a few queries per request, GQA 4): every request has
+    at most 16 packed rows, so "auto" plans 16-row tiles (the decode kernel's); the 128-row
+    tiles ("long") and 16-row tiles forced on longer requests ("short") agree with the
+    reference."""
+    qo_lens, kv_lens = [4, 0, 1, 3, 2], [300, 7, 1, 45, 2]
+    plan, out = _short_batch(variant, qo_lens, kv_lens, 8, 2, page_size, "auto")
+    assert plan.rows_per_cta == 16
+    long_plan, long_out = _short_batch(variant, qo_lens, kv_lens, 8, 2, page_size, "long")
+    assert long_plan.rows_per_cta == 128
+    torch.testing.assert_close(out, long_out, atol=2e-3, rtol=2e-3)
+    # one request past 16 packed rows: "auto" takes the prefill tiles, "short" cuts it into
+    # 16-row tiles
+    qo_lens[0] = 5
+    assert _short_batch(variant, qo_lens, kv_lens, 8, 2, page_size, "auto")[0].rows_per_cta \
+        == 128
+    qo_lens, kv_lens = [40, 1, 17], [60, 33, 17]
+    plan, _ = _short_batch(variant, qo_lens, kv_lens, 8, 2, page_size, "short")
+    assert plan.rows_per_cta == 16
+    assert plan.items[plan.items[:, 0] == 0, 2].max() == 160 - 16  # 10 row tiles of request 0
+
+
+def test_short_queries_with_a_custom_mask():
+    """Tree attention's draft tokens (a custom mask) on the 16-row tiles, one row seeing no
+    key (out 0, lse -inf)."""
+    qo_lens, kv_lens = [4, 1, 3], [10, 33, 3]
+    gen = torch.Generator().manual_seed(13)
+    flat = torch.rand(sum(a * b for a, b in zip(qo_lens, kv_lens)), generator=gen) < 0.5
+    flat[:10] = False
+    plan, out = _short_batch(ja.Variant("tree", mask="custom"), qo_lens, kv_lens, 8, 2, 16,
+                             "auto", custom_mask=flat)
+    assert plan.rows_per_cta == 16 and (out[0] == 0).all()
+
+
+def test_query_tile_is_checked():
+    with pytest.raises(ValueError, match="query_tile='tiny'"):
+        ja.BatchPrefill(ja.Variant("c"), device="cpu", query_tile="tiny")
+    with pytest.raises(TypeError, match="BatchDecode takes no query_tile"):
+        ja.BatchDecode(ja.Variant("c"), device="cpu", query_tile="short")

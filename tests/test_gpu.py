@@ -23,6 +23,8 @@ LAYOUTS = [
     ([1], [1000]),                             # decode kernel, one request
     ([1, 1, 1, 1], [0, 1, 77, 300]),           # decode kernel, ragged, empty KV, one key
     ([0, 1, 33, 70], [5, 9, 100, 70]),         # prefill kernel, ragged, empty query
+    ([4], [2]),                                # q_len x GQA <= 16 (but for GQA 7): decode
+    ([3, 2, 0, 4], [3, 700, 5, 40]),           #   kernel's 16-row tiles; masked rows, ragged
 ]
 
 

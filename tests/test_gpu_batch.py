@@ -8,7 +8,7 @@ import torch
 import jitattn as ja
 from jitattn import catalog, reference
 
-from helpers import (TOL, check_batch, check_linear_partition, every_feature_variant,
+from helpers import (TOL, check_batch, check_linear_partition, compare, every_feature_variant,
                      make_batch, make_paged, quantize_fp8)
 
 pytestmark = pytest.mark.gpu
@@ -40,6 +40,17 @@ def test_batch_matches_reference(name, dtype, layout, page_size):
         qo_indptr = _cumsum(qo_lens)
         w = ja.BatchPrefill(variant, page_size=page_size, kv_layout=layout)
         w.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hkv, head_dim, q_dtype=dtype)
+        check_batch(w, variant, params, q, cache, qo_indptr, kv_indptr, kv_indices, last, layout)
+        # short prefill (speculative verification): at most 16 packed rows per request run on
+        # the decode kernel's 16-row tiles
+        qo_lens = {32: [0, 4, 1, 3, 2], 7: [2, 0, 1, 2, 1], 4: [16, 0, 1, 5, 3]}[hq]
+        variant, params = BUILTIN[name].example(len(qo_lens), hq, hkv, max(qo_lens),
+                                                max(kv_lens), "cuda")
+        q, *_ = make_batch(qo_lens, kv_lens, hq, hkv, head_dim, dtype, "cuda", seed=3)
+        qo_indptr = _cumsum(qo_lens)
+        w = ja.BatchPrefill(variant, page_size=page_size, kv_layout=layout)
+        plan = w.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hkv, head_dim, q_dtype=dtype)
+        assert plan.rows_per_cta == 16
         check_batch(w, variant, params, q, cache, qo_indptr, kv_indptr, kv_indices, last, layout)
         # decode: one token per request, a long request split across CTAs
         kv_lens = [1, 5000, 0, 77, 300, 16]
@@ -116,6 +127,44 @@ def test_cuda_graph_replays_across_plans():
                                              kv_indptr=tok, return_lse=True)
         torch.testing.assert_close(out, ref_o.half(), **TOL[torch.float16])
         torch.testing.assert_close(lse.double(), ref_lse, atol=3e-3, rtol=1e-4)
+
+
+def test_cuda_graph_keeps_the_captured_query_tile():
+    """A BatchPrefill captured on the 16-row tiles of a short plan replays correctly after a
+    plan whose requests are longer (later plans keep the captured kernel), and the reverse."""
+    variant = ja.Variant("causal", mask="causal")
+    hq, hkv, head_dim, page_size = 32, 8, 128, 16
+    kv_lens = [700, 33, 2000, 5]
+    cache, kv_indptr, kv_indices, last = make_paged(kv_lens, hkv, head_dim, page_size, "NHD",
+                                                    torch.float16, "cuda", seed=51)
+    short, long = [4, 4, 4, 4], [13, 1, 1, 1]  # 16 query rows either way
+    for first, second, rows in ((short, long, 16), (long, short, 128)):
+        w = ja.BatchPrefill(variant, page_size=page_size)
+        q = torch.empty(16, hq, head_dim, dtype=torch.float16, device="cuda")
+        out = torch.empty_like(q)
+        lse = torch.empty(16, hq, dtype=torch.float32, device="cuda")
+        assert w.plan(_cumsum(first), kv_indptr, kv_indices, last, hq, hkv,
+                      head_dim).rows_per_cta == rows
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            w.run(q, cache, out=out, lse=lse)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            w.run(q, cache, out=out, lse=lse)
+        for seed, qo_lens in enumerate((second, first)):
+            assert w.plan(_cumsum(qo_lens), kv_indptr, kv_indices, last, hq, hkv,
+                          head_dim).rows_per_cta == rows
+            q.copy_(make_batch(qo_lens, kv_lens, hq, hkv, head_dim, torch.float16, "cuda",
+                               seed=seed)[0])
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            k, v, tok = reference.paged_to_ragged(cache, kv_indptr, kv_indices, last, "NHD")
+            ref_o, ref_lse = reference.attention(q, k, v, variant, qo_indptr=_cumsum(qo_lens),
+                                                 kv_indptr=tok, return_lse=True)
+            compare(variant, out, lse, ref_o, ref_lse)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])

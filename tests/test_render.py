@@ -66,6 +66,18 @@ def test_nvcc_compiles_sm90a(name, kind, dtype_tag, head_dim, kv_tag, arch):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("mask", ["custom", "multi_item"])
+def test_nvcc_compiles_data_masks_on_the_16_row_tiles(mask):
+    """Short prefills (every request within 16 packed rows) run the decode kernel, with the
+    masks whose data BatchPrefill.plan takes (tree attention's custom mask)."""
+    src = render.render_cuda(ja.Variant(f"short_{mask}", mask=mask), kind="decode",
+                             dtype_tag="f16", head_dim=128)
+    assert src.tiles.rows_per_cta("decode") == 16
+    path, _ = jit.compile_cached(src, "sm_90a")
+    assert path.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_nvcc
 def test_compile_error_maps_back_to_variant_line():
     def mod(score, b, h, q_idx, kv_idx):
         return score + 1.0
