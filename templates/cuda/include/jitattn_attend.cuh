@@ -290,7 +290,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         cp_async_commit();
       }
     }
-    cp_async_wait<WGMMA ? 0 : STAGES - 1>();  // Q has landed (WGMMA: and the copies before)
+    // Q has landed (WGMMA: its group; the K/V copies, never committed, have full barriers)
+    cp_async_wait<WGMMA ? 0 : STAGES - 1>();
     if constexpr (WGMMA) fence_proxy_async();
     __syncthreads();
     rope_tile<DType, HEAD_DIM, ROW>(q_s, ROWS_CTA, [&](int r) {
