@@ -164,7 +164,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     const int pos_last = req.kv_len - req.q_len + row_last / g;
 
     // Q tile (rows past the request zero-filled), then K/V tiles 0 .. STAGES - 2: one cp.async
-    // group each (WGMMA: the K/V copies are tracked by mbarriers, not groups)
+    // group each (WGMMA: K of tiles 0 .. STAGES - 1 and V of tiles 0 .. STAGES - 2, tracked by
+    // mbarriers, not groups)
     for (int i = threadIdx.x; i < ROWS_CTA * CHUNKS; i += blockDim.x) {
       const int r = i / CHUNKS, c = (i % CHUNKS) * 8, packed = w.row0 + r;
       const bool valid = packed < packed_rows;
