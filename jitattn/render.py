@@ -67,11 +67,14 @@ def tiles_for(kind: str, head_dim: int, *, arch: str | None = None, kv_fp8: bool
     already holds 128 accumulators of O per lane, 8 warps x 16 rows over 32 keys. Decode: 16 rows
     (GQA groups up to 16 in one tile), 4 warps taking 16 keys each of 64-key tiles, three tiles
     in flight (two at head_dim 256, whose three would need 211 KB of shared memory, more than
-    an A100 has). On Hopper (arch "sm_90a"), prefill at head_dim 64 and 128 over a 16-bit cache
-    without RoPE runs on wgmma: 2 warpgroups x 64 rows over 128-key tiles, three in flight.
-    Measured on the H200 (docs/performance.md)."""
-    if kind == "prefill" and arch == "sm_90a" and head_dim in (64, 128) and not kv_fp8 \
+    an A100 has). On Hopper (arch "sm_90a"), prefill over a 16-bit cache without RoPE runs on
+    wgmma: 2 warpgroups x 64 rows over 128-key tiles, three slots each for K and V; at head_dim
+    256 over 64-key tiles with two slots each (O already holds 128 floats per thread). Measured
+    on the H200 (docs/performance.md)."""
+    if kind == "prefill" and arch == "sm_90a" and head_dim in (64, 128, 256) and not kv_fp8 \
             and not rope:
+        if head_dim == 256:  # O holds 128 floats per thread: 64-key tiles keep S at 32
+            return Tiles(8, 16, 64, stages=2, wgmma=True)
         return Tiles(8, 16, 128, stages=3, wgmma=True)
     if kind == "prefill":
         return Tiles(8, 16, 32) if head_dim == 256 else Tiles(4, 32, 64)

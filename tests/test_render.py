@@ -109,14 +109,16 @@ def test_row_invariant_subexpressions_are_hoisted():
 
 
 def test_tiles_per_arch_and_shared_memory():
-    """wgmma only for prefill on sm_90a at head_dim 64 / 128 over a 16-bit cache without RoPE;
+    """wgmma only for prefill on sm_90a over a 16-bit cache without RoPE;
     shared memory follows each layout (swizzled panels + 1024 alignment bytes; fp8 decode
     stages padded by 16 bytes, no 16-bit tile)."""
     wg = render.tiles_for("prefill", 128, arch="sm_90a")
     assert wg.wgmma and wg.rows_per_cta("prefill") == 128
     assert wg.smem_bytes("prefill", 128) == \
         (128 + wg.stages * 2 * 128) * 128 * 2 + 1024 + 32 * wg.stages
-    for kind, d, kw in (("decode", 128, {}), ("prefill", 256, {}), ("prefill", 128, {"kv_fp8": True}),
+    wg256 = render.tiles_for("prefill", 256, arch="sm_90a")  # 64-key tiles, two slots each
+    assert wg256.wgmma and wg256.kv_tile == 64 and wg256.smem_bytes("prefill", 256) <= 227 * 1024
+    for kind, d, kw in (("decode", 128, {}), ("prefill", 128, {"kv_fp8": True}),
                         ("prefill", 128, {"rope": True})):
         assert not render.tiles_for(kind, d, arch="sm_90a", **kw).wgmma, (kind, d, kw)
     assert not render.tiles_for("prefill", 128, arch="sm_80").wgmma

@@ -79,8 +79,11 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // The product P V of a tile runs on the tensor cores while the next tile's softmax runs on
   // the other units (FlashAttention-3, Shah et al. 2024, section 3.2, intra-warpgroup
   // overlap): tile i issues S_i = Q K_i^T and then O += P_{i-1} V_{i-1}, waits for S_i only,
-  // and waits for the product just before rescaling O. V of tile i - 1 is then still read
-  // while tile i + 1 is copied: three stages.
+  // and waits for the product just before rescaling O. K and V have STAGES slots each, tile t
+  // in slot t % STAGES: at the end of tile i, S_i is done with K's slot i % STAGES, which
+  // receives K of tile i + STAGES, and O += P_{i-1} V_{i-1} with V's slot (i - 1) % STAGES,
+  // which receives V of tile i + STAGES - 1: with two slots each, both are copied a whole
+  // tile before their first use.
   // Within a work item the two warpgroups do not meet at block barriers: warpgroup 0 copies
   // the K tiles and warpgroup 1 the V tiles (cp.async, completion signalled on an mbarrier
   // per stage: full), every thread signals when its warpgroup's products no longer read a
@@ -93,10 +96,10 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // phases carry over (gt counts the CTA's tiles across its items).
   static_assert(!WGMMA || (!SPLIT_KEYS && !KV_FP8 && Variant::ROPE == 0 && ROWS_WARP == 16 &&
                            NUM_WARPS == 8 && HEAD_DIM % 64 == 0 && BLOCK_N % 64 == 0 &&
-                           STAGES >= 3),
+                           STAGES >= 2),
                 "wgmma: prefill over a 16-bit cache without RoPE, two warpgroups of 64 rows "
                 "(the barrier counts, named barriers and the K / V copy split assume two), "
-                "three stages");
+                "two stages or more");
   constexpr int TILE_ROW = WGMMA ? HEAD_DIM : ROW;  // elements per row of a 16-bit tile
   constexpr int KV_ROW = KV_FP8 ? HEAD_DIM + (FP8_REGS ? 16 : 0) : TILE_ROW;
   constexpr int KV_CHUNK = 16 / sizeof(KVType);              // elements per 16-byte copy
@@ -161,7 +164,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     const int pos_last = req.kv_len - req.q_len + row_last / g;
 
     // Q tile (rows past the request zero-filled), then K/V tiles 0 .. STAGES - 2: one cp.async
-    // group each (WGMMA: the K/V copies are tracked by mbarriers, not groups)
+    // group each (WGMMA: K of tiles 0 .. STAGES - 1 and V of tiles 0 .. STAGES - 2, tracked by
+    // mbarriers, not groups)
     for (int i = threadIdx.x; i < ROWS_CTA * CHUNKS; i += blockDim.x) {
       const int r = i / CHUNKS, c = (i % CHUNKS) * 8, packed = w.row0 + r;
       const bool valid = packed < packed_rows;
@@ -273,11 +277,13 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         dst[1] = make_uint4(y[4], y[5], y[6], y[7]);
       }
     };
+    if constexpr (WGMMA) {  // K of tiles 0 .. STAGES - 1, V of tiles 0 .. STAGES - 2
 #pragma unroll
-    for (int t = 0; t < STAGES - 1; ++t) {  // one cp.async group per tile, empty past the end
-      if constexpr (WGMMA) {
-        if (t < num_tiles) load_ws(t);
-      } else {
+      for (int t = 0; t < STAGES; ++t)
+        if (t < num_tiles && (wg == 0 || t < STAGES - 1)) load_ws(t);
+    } else {
+#pragma unroll
+      for (int t = 0; t < STAGES - 1; ++t) {  // one cp.async group per tile, empty past the end
         if (t < num_tiles) {
           lookup(t);
           copy_tile(t);
@@ -360,8 +366,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     // serialize them (warning C7520)
     auto step = [&](const int tile, auto first) {
       [[maybe_unused]] constexpr bool FIRST = decltype(first)::value;
-      const int ahead = tile + STAGES - 1;
       if constexpr (!WGMMA) {  // (WGMMA: copied at the end of the previous tile, see below)
+        const int ahead = tile + STAGES - 1;
         if (ahead < num_tiles) {
           lookup(ahead);
           copy_tile(ahead % STAGES);
@@ -645,9 +651,10 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         }
       }
       if constexpr (WGMMA) {
-        // tile + STAGES - 1 goes into the stage of tile - 1 once both warpgroups are done
-        // with it (load_ws waits for its empty barrier)
-        if (ahead < num_tiles) load_ws(ahead);
+        // K of tile + STAGES into tile's slot, V of tile + STAGES - 1 into the slot of
+        // tile - 1, once both warpgroups are done with it (load_ws waits for its empty barrier)
+        const int next = tile + (wg == 0 ? STAGES : STAGES - 1);
+        if (next < num_tiles) load_ws(next);
       } else {
         tile_barrier();  // this stage is consumed before tile + STAGES is loaded into it
       }
