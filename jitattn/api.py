@@ -102,9 +102,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
 
     Under torch.compile the call is one custom op (jitattn.ops), checked when it runs.
     Raises TypeError / ValueError naming the argument before any launch; CompileError or
-    SpecError if the variant cannot be built. One launch; when every request has at most 16
-    packed query rows (qo_len x num_qo_heads / num_kv_heads) it runs on the decode kernel
-    (warps split the KV range; render.query_kind), else on the prefill kernel.
+    SpecError if the variant cannot be built. One launch; when every request has one query, or
+    at most 16 packed query rows (qo_len x num_qo_heads / num_kv_heads), it runs on the decode
+    kernel (warps split the KV range; render.query_kind), else on the prefill kernel.
     Algorithm: FlashAttention-2 style online softmax (Dao 2023, section 3.1) with GQA
     head-group fusion (FlashInfer, arXiv 2501.01005, section 3.2).
     """
@@ -160,7 +160,7 @@ def _launch(q, k, v, out, lse, variant, bound, ragged, qo_host, kv_host, batch, 
             sm_scale):
     launch.run_attention(
         q, launch.KVView.ragged(k, v), out, lse, variant, bound, num_kv_heads=k.shape[1],
-        kind=render.query_kind(max_qo * (q.shape[1] // k.shape[1]), q.shape[2]),
+        kind=render.query_kind(max_qo, q.shape[1] // k.shape[1], q.shape[2]),
         qo_indptr=_device_indptr(qo_host, q.device) if ragged else None,
         kv_indptr=_device_indptr(kv_host, q.device) if ragged else None,
         batch=batch, max_qo_len=max_qo, single_qo_len=qo_host[-1], single_kv_len=kv_host[-1],

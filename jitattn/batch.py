@@ -71,9 +71,9 @@ class BatchPrefill:
     max_work_items scheduled items, max_partial_rows split-KV partial states, max_mask_bytes
     of bit-packed custom mask, max_item_tokens multi-item token positions.
     split_kv: let the scheduler cut long KV ranges into chunks merged afterwards.
-    query_tile: "auto" (default) runs a batch whose requests all have at most 16 packed query
-        rows (qo_len x num_qo_heads / num_kv_heads) on the decode kernel's 16-row tiles, whose
-        warps split the keys, and other batches on the prefill kernel's 128-row tiles
+    query_tile: "auto" (default) runs a batch whose requests all have one query, or at most 16
+        packed query rows (qo_len x num_qo_heads / num_kv_heads), on the decode kernel's 16-row
+        tiles, whose warps split the keys, and other batches on the prefill kernel's 128-row tiles
         (render.query_kind); "short" / "long" fix one. Each plan() chooses; once run() has
         been captured in a CUDA graph, later plans keep the captured kernel's tiles (the graph
         replays that kernel), whatever their query lengths.
@@ -200,8 +200,8 @@ class BatchPrefill:
         qo_lens = np.diff(qo)
         mask = masks_mod.mask_arrays(self.variant.mask, masks or {}, qo_lens, kv_lens,
                                      self.capacity)
-        kernel_kind = self._kernel_kind(int(qo_lens.max(initial=0)) * (num_qo_heads //
-                                                                        num_kv_heads), head_dim)
+        kernel_kind = self._kernel_kind(int(qo_lens.max(initial=0)),
+                                        num_qo_heads // num_kv_heads, head_dim)
         rows, num_ctas, kv_tile = self._launch_shape(kernel_kind, q_dtype, kv_dtype, head_dim)
         plan = make_plan(qo_lens, kv_lens, kv[:-1], num_qo_heads=num_qo_heads,
                          num_kv_heads=num_kv_heads, rows_per_cta=rows, num_ctas=num_ctas,
@@ -213,8 +213,12 @@ class BatchPrefill:
                          max_partial_rows=cap["max_partial_rows"],
                          max_items=cap["max_work_items"], kv_tile=kv_tile)
         if plan.num_items > cap["max_work_items"]:
+            pinned = "" if self._captured_kind is None else (
+                f"; the {rows}-row tiles are those of the kernel a CUDA graph captured, which "
+                f"later plans keep (a wrapper per graph avoids it)")
             raise ValueError(f"the plan has {plan.num_items} work items, more than "
-                             f"max_work_items={cap['max_work_items']} given to the constructor")
+                             f"max_work_items={cap['max_work_items']} given to the "
+                             f"constructor{pinned}")
         if plan.num_partial_rows > cap["max_partial_rows"]:
             raise ValueError(f"the plan needs {plan.num_partial_rows} partial rows, more than "
                              f"max_partial_rows={cap['max_partial_rows']} given to the "
@@ -225,6 +229,13 @@ class BatchPrefill:
         self._ws.upload_mask(mask)
         self._plan = plan
         self._device_plan = self._ws.device_plan(plan)
+        ps = self.page_size
+        page = {"NHD": (ps, num_kv_heads, head_dim), "HND": (num_kv_heads, ps, head_dim),
+                "ragged": (num_kv_heads, head_dim)}[self.kv_layout]
+        self._expected = ((int(qo[-1]), num_qo_heads, head_dim), q_dtype, kv_dtype, page,
+                          self.device.index if self.device.type == "cuda" else -1,
+                          int(indices[:kv[-1]].max(initial=-1)))
+        self._fine_strides = {}  # K/V strides -> whether they suit the kernels (for kv_dtype)
         self._planned = dict(
             total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, batch=batch, kind=kernel_kind,
@@ -234,14 +245,14 @@ class BatchPrefill:
                        qo_len=int(qo_lens.max(initial=0)), kv_len=int(kv_lens.max(initial=0))))
         return plan
 
-    def _kernel_kind(self, max_packed_rows: int, head_dim: int) -> str:
+    def _kernel_kind(self, max_qo_len: int, group: int, head_dim: int) -> str:
         """The kernel this plan runs on: BatchDecode's is "decode"; BatchPrefill's follows
         query_tile, or the kernel a CUDA graph captured (see the class docstring)."""
         if self._kind == "decode":
             return "decode"
         if self._captured_kind is not None:
             return self._captured_kind
-        return query_kind(max_packed_rows, head_dim, self.query_tile)
+        return query_kind(max_qo_len, group, head_dim, self.query_tile)
 
     def _launch_shape(self, kind, q_dtype, kv_dtype, head_dim) -> tuple[int, int, int]:
         """(packed rows per work item, persistent CTAs, keys per K/V tile): the kernel's on the
@@ -268,6 +279,34 @@ class BatchPrefill:
             raise TypeError("kv_cache must be (k_cache, v_cache)" + (
                 "" if self.kv_layout == "ragged" else " or one [num_pages, 2, ...] tensor"))
         return kv_cache
+
+    def _inputs_hold(self, q, k_cache, v_cache) -> bool:
+        """_check_run's conditions, tested the fast way for the usual call (host time per
+        layer); False sends the call through _check_run, which names what is wrong."""
+        if self._plan is None:
+            return False
+        want_q, dtype, kv_dtype, page, device, max_page = self._expected
+        if not (isinstance(q, torch.Tensor) and q.shape == want_q and q.dtype == dtype and
+                q.get_device() == device and q.data_ptr() % 16 == 0):
+            return False
+        s0, s1, s2 = q.stride()
+        if s2 != 1 or s0 % 8 or s1 % 8:
+            return False
+        for c in (k_cache, v_cache):
+            if not (isinstance(c, torch.Tensor) and c.shape[1:] == page and  # (and its dim)
+                    c.dtype == kv_dtype and
+                    c.get_device() == device and c.data_ptr() % 16 == 0 and
+                    max_page < c.shape[0]):
+                return False
+            strides = c.stride()
+            fine = self._fine_strides.get(strides)
+            if fine is None:
+                size = c.element_size()
+                fine = self._fine_strides[strides] = strides[-1] == 1 and not any(
+                    s * size % 16 for s in strides[:-1])
+            if not fine:
+                return False
+        return True
 
     def _check_run(self, q, k_cache, v_cache) -> None:
         if self._plan is None:
@@ -338,7 +377,8 @@ class BatchPrefill:
                 raise ValueError(f"k_scale={k_scale!r}: sm_scale x k_scale = {scale!r} must be "
                                  f"finite and > 0 as float32")
         k_cache, v_cache = self._split_cache(kv_cache)
-        self._check_run(q, k_cache, v_cache)
+        if not self._inputs_hold(q, k_cache, v_cache):
+            self._check_run(q, k_cache, v_cache)
         pl, plan, ws = self._planned, self._plan, self._ws
         bound = self.variant.bind(params, device=q.device, sizes=pl["sizes"])
         shape = (pl["total_q"], pl["num_qo_heads"], pl["head_dim"])

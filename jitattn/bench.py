@@ -203,8 +203,9 @@ def bench_decode(quick: bool = False) -> list[dict]:
     if not quick:
         gen = torch.Generator(device="cuda").manual_seed(1)
         q = torch.randn(batch, hq, drafts, d, generator=gen, device="cuda", dtype=dtype)
-        k = torch.randn(batch, hkv, kv_len, d, generator=gen, device="cuda", dtype=dtype)
-        fn = _flex(q, k, k, True)
+        k, v = (torch.randn(batch, hkv, kv_len, d, generator=gen, device="cuda", dtype=dtype)
+                for _ in range(2))
+        fn = _flex(q, k, v, True)
         if fn is not None:
             results["FlexAttention"] = timed(fn)
     for name, ms in results.items():

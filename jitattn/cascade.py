@@ -102,19 +102,19 @@ class MultiLevelCascade:
         n, total = len(self.levels), q.shape[0]
         o_levels = torch.empty((n, *q.shape), dtype=q.dtype, device=q.device)
         lse_levels = torch.empty((n, *q.shape[:2]), dtype=torch.float32, device=q.device)
-        for i, (level, rows) in enumerate(zip(self.levels, self._rows)):
-            whole = isinstance(rows, slice) and rows.start == 0 and rows.stop == total
-            if not whole:  # rows this level does not cover are empty states
-                o_levels[i].zero_()
-                lse_levels[i].fill_(float("-inf"))
-            if whole:  # no slicing: each view op costs microseconds of host time per layer
-                level.run(q, kv_cache, out=o_levels[i], lse=lse_levels[i], **params)
-            elif isinstance(rows, slice):
-                level.run(q[rows], kv_cache, out=o_levels[i, rows], lse=lse_levels[i, rows],
-                          **params)
+        # each level's slab: one unbind for all (each view op costs host time per layer)
+        for level, rows, o, lse in zip(self.levels, self._rows, o_levels.unbind(0),
+                                       lse_levels.unbind(0)):
+            if isinstance(rows, slice) and rows.start == 0 and rows.stop == total:
+                level.run(q, kv_cache, out=o, lse=lse, **params)  # every row: no slicing
+                continue
+            o.zero_()  # rows this level does not cover are empty states
+            lse.fill_(float("-inf"))
+            if isinstance(rows, slice):
+                level.run(q[rows], kv_cache, out=o[rows], lse=lse[rows], **params)
             else:
-                o_levels[i, rows], lse_levels[i, rows] = level.run(
-                    q[rows].contiguous(), kv_cache, return_lse=True, **params)
+                o[rows], lse[rows] = level.run(q[rows].contiguous(), kv_cache,
+                                               return_lse=True, **params)
         out, lse = merge_states(o_levels, lse_levels, reduction=self.variant.reduction)
         return (out, lse) if return_lse else out
 

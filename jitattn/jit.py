@@ -106,13 +106,15 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
     """A loaded kernel for this specialisation (CudaKernel or CpuKernel), memoised. kv_tag:
     the KV cache's dtype tag when it differs from dtype_tag ("e4m3")."""
     kv_tag = kv_tag or dtype_tag
-    arch = device_arch(device_index) if backend != "cpu" else None
-    tiles = render.tiles_for_variant(variant, kind, head_dim, arch=arch, kv_tag=kv_tag)
+    # the tiles follow from the rest (render.tiles_for_variant of the device's arch), so the
+    # key leaves them out: a warm call builds nothing
     memo_key = (variant.key, backend, head_dim) if backend == "cpu" else (
-        variant.key, backend, kind, dtype_tag, kv_tag, head_dim, tiles, device_index)
+        variant.key, backend, kind, dtype_tag, kv_tag, head_dim, device_index)
     kernel = _MEMO.get(memo_key)
     if kernel is not None:
         return kernel
+    arch = device_arch(device_index) if backend != "cpu" else None
+    tiles = render.tiles_for_variant(variant, kind, head_dim, arch=arch, kv_tag=kv_tag)
     if backend == "cpu":
         src = render.render_cpu(variant, head_dim=head_dim)
         path, _ = compile_cached(src, None)

@@ -1,8 +1,9 @@
 """Tensors (+ an optional plan on the device) -> the kernels' argument list, and the launch.
 
-One argument list serves the CUDA kernels and the CPU backend (templates/cuda/attention.cu.j2,
-templates/cpu/attention.cpp.j2). Ragged K/V are passed as a paged layout with page_size 1 and no
-page table; paged caches pass their page table and strides (NHD and HND differ only in strides).
+One argument list (a tuple of kinds and a list of values) serves the CUDA kernels and the CPU
+backend (templates/cuda/attention.cu.j2, templates/cpu/attention.cpp.j2). Ragged K/V are passed
+as a paged layout with page_size 1 and no page table; paged caches pass their page table and
+strides (NHD and HND differ only in strides).
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ class DevicePlan:
     mask_bits: torch.Tensor | None = None   # uint8, custom masks
     token_pos: torch.Tensor | None = None   # int32, multi-item masks
 
+    def __post_init__(self):
+        # the kernels' plan arguments, in their order (fixed buffers: taken once)
+        self.pointers = tuple(_ptr(t) for t in (
+            self.requests, self.items, self.cta_indptr, self.partial_o, self.partial_lse,
+            self.mask_bits, self.token_pos))
+
 
 def output_buffer(name, t, shape, dtype, device):
     """A new output tensor, or the caller's after checking it fits."""
@@ -95,37 +102,49 @@ def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+# the attention kernels' fixed arguments (templates/cuda/attention.cu.j2), then the variant's
+_ATTENTION_KINDS = ("ptr",) * 14 + ("i32",) * 7 + ("i64", "i32", "ptr", "i32") + \
+    ("i64", "i32", "i32") * 2 + ("f32",)
+_KINDS: dict = {}
+
+
+def _attention_kinds(variant) -> tuple:
+    """The attention kernels' argument kinds for ``variant`` (its runtime parameters last: a
+    float per scalar, a pointer and an int per dimension per tensor); one tuple per variant."""
+    kinds = _KINDS.get(variant.key)
+    if kinds is None:
+        extra = []
+        for p in variant.params:
+            extra += ["f32"] if isinstance(p, ScalarParam) else ["ptr"] + ["i32"] * len(p.shape)
+        kinds = _KINDS[variant.key] = _ATTENTION_KINDS + tuple(extra)
+    return kinds
+
+
 def attention_args(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
                    qo_indptr=None, kv_indptr=None, plan: DevicePlan | None = None, batch: int,
-                   single_qo_len: int, single_kv_len: int, sm_scale: float) -> list:
-    """The typed argument list of the attention kernels (both backends)."""
+                   single_qo_len: int, single_kv_len: int, sm_scale: float) -> tuple:
+    """The attention kernels' arguments (both backends): (kinds, values), kinds a tuple of
+    "ptr" | "i32" | "i64" | "f32" (the same tuple object for every call of one variant)."""
     qs0, qs1, _ = q.stride()
-    slot_span = (kv.page_size - 1) * max(kv.k_strides[1], kv.v_strides[1])
-    if q.device.type == "cuda" and max(kv.k_strides + kv.v_strides + (slot_span,)) >= 1 << 31:
+    ks, vs = kv.k_strides, kv.v_strides
+    if q.is_cuda and max(ks + vs + ((kv.page_size - 1) * max(ks[1], vs[1]),)) >= 1 << 31:
         # the CUDA kernels compute these offsets in int32 (the page term in int64)
-        raise ValueError(f"K/V strides {kv.k_strides} / {kv.v_strides} (page, slot, head) and "
+        raise ValueError(f"K/V strides {ks} / {vs} (page, slot, head) and "
                          f"(page_size - 1) x slot stride must be below 2**31 elements")
-    args = [("ptr", q.data_ptr()), ("ptr", kv.k.data_ptr()), ("ptr", kv.v.data_ptr()),
-            ("ptr", out.data_ptr()), ("ptr", lse.data_ptr()),
-            ("ptr", _ptr(qo_indptr)), ("ptr", _ptr(kv_indptr)),
-            ("ptr", _ptr(plan and plan.requests)), ("ptr", _ptr(plan and plan.items)),
-            ("ptr", _ptr(plan and plan.cta_indptr)), ("ptr", _ptr(plan and plan.partial_o)),
-            ("ptr", _ptr(plan and plan.partial_lse)), ("ptr", _ptr(plan and plan.mask_bits)),
-            ("ptr", _ptr(plan and plan.token_pos)), ("i32", single_qo_len), ("i32", single_kv_len), ("i32", batch),
-            ("i32", plan.num_items if plan else 0), ("i32", plan.rows_per_cta if plan else 0),
-            ("i32", q.shape[1]), ("i32", num_kv_heads), ("i64", qs0), ("i32", qs1),
-            ("ptr", _ptr(kv.kv_indices)), ("i32", kv.page_size),
-            ("i64", kv.k_strides[0]), ("i32", kv.k_strides[1]), ("i32", kv.k_strides[2]),
-            ("i64", kv.v_strides[0]), ("i32", kv.v_strides[1]), ("i32", kv.v_strides[2]),
-            ("f32", sm_scale)]
+    values = [q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+              _ptr(qo_indptr), _ptr(kv_indptr)]
+    values += plan.pointers if plan is not None else (0,) * 7
+    values += (single_qo_len, single_kv_len, batch, plan.num_items if plan else 0,
+               plan.rows_per_cta if plan else 0, q.shape[1], num_kv_heads, qs0, qs1,
+               _ptr(kv.kv_indices), kv.page_size, *ks, *vs, sm_scale)
     for p in variant.params:
         if isinstance(p, ScalarParam):
-            args.append(("f32", bound[p.name]))
+            values.append(bound[p.name])
         else:
             t = bound[p.name]
-            args.append(("ptr", t.data_ptr()))
-            args += [("i32", s) for s in t.shape]
-    return args
+            values.append(t.data_ptr())
+            values += t.shape
+    return _attention_kinds(variant), values
 
 
 # torch's current CUDA stream of a device as a raw pointer: the binding torch.compile's
@@ -151,14 +170,14 @@ def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
     """Launch one attention kernel: the CPU backend for CPU tensors, else the CUDA kernel of
     ``kind`` ("prefill" | "decode"), on a persistent grid of plan.num_ctas CTAs when planned."""
     head_dim = q.shape[2]
-    args = attention_args(q, kv, out, lse, variant, bound, num_kv_heads=num_kv_heads,
+    kinds, values = attention_args(q, kv, out, lse, variant, bound, num_kv_heads=num_kv_heads,
                           qo_indptr=qo_indptr, kv_indptr=kv_indptr, plan=plan, batch=batch,
                           single_qo_len=single_qo_len, single_kv_len=single_kv_len,
                           sm_scale=sm_scale)
     tag, kv_tag = dtypes.tag(q.dtype), dtypes.kv_tag(kv.k.dtype)
     if q.device.type == "cpu":
         jit.get_kernel(variant, backend="cpu", head_dim=head_dim).launch(
-            render.cpu_entry(tag, kv_tag), args)
+            render.cpu_entry(tag, kv_tag), kinds, values)
         return
     index = device_index(q)
     kernel = jit.get_kernel(variant, backend="cuda", kind=kind, dtype_tag=tag,
@@ -168,7 +187,10 @@ def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
     else:
         g = q.shape[1] // num_kv_heads
         grid = (-(-max_qo_len * g // kernel.rows_per_cta), batch, num_kv_heads)
-    kernel.launch(grid, args, current_stream(index))
+    kernel.launch(grid, kinds, values, current_stream(index))
+
+
+_MERGE_KINDS = ("ptr",) * 6 + ("i32", "i32", "i64", "ptr", "ptr", "i32", "i32")
 
 
 def run_merge(o_parts, lse_parts, out, lse_out, *, sigmoid: bool, merge_indptr=None,
@@ -178,17 +200,15 @@ def run_merge(o_parts, lse_parts, out, lse_out, *, sigmoid: bool, merge_indptr=N
     merges rows m + i * state_stride of o_parts / lse_parts for i < num_states)."""
     in_tag, out_tag = dtypes.tag(o_parts.dtype), dtypes.tag(out.dtype)
     head_dim = out.shape[-1]
-    args = [("ptr", o_parts.data_ptr()), ("ptr", lse_parts.data_ptr()),
-            ("ptr", _ptr(merge_indptr)), ("ptr", _ptr(merge_rows)), ("ptr", _ptr(merge_slots)),
-            ("ptr", _ptr(num_merged_dev)), ("i32", num_merged), ("i32", num_states),
-            ("i64", state_stride), ("ptr", out.data_ptr()), ("ptr", lse_out.data_ptr()),
-            ("i32", head_dim), ("i32", int(sigmoid))]
-    if out.device.type == "cpu":
+    values = [o_parts.data_ptr(), lse_parts.data_ptr(), _ptr(merge_indptr), _ptr(merge_rows),
+              _ptr(merge_slots), _ptr(num_merged_dev), num_merged, num_states, state_stride,
+              out.data_ptr(), lse_out.data_ptr(), head_dim, int(sigmoid)]
+    if not out.is_cuda:
         jit.get_merge_kernel(backend="cpu", in_tag=in_tag, out_tag=out_tag).launch(
-            f"jitattn_merge_{in_tag}_{out_tag}", args)
+            f"jitattn_merge_{in_tag}_{out_tag}", _MERGE_KINDS, values)
         return
     index = device_index(out)
     kernel = jit.get_merge_kernel(backend="cuda", in_tag=in_tag, out_tag=out_tag,
                                   device_index=index)
     ctas = grid_ctas or max(1, min(-(-num_merged // kernel.rows_per_cta), 65535))
-    kernel.launch((ctas, 1, 1), args, current_stream(index))
+    kernel.launch((ctas, 1, 1), _MERGE_KINDS, values, current_stream(index))

@@ -3,8 +3,8 @@ library through ctypes. (The first design named cupy.RawModule; importing CuPy a
 100-400 ms, more than the whole warm-load budget, so the driver is called directly. CuPy
 remains the NVRTC fallback when nvcc is missing.)
 
-Kernels take typed arguments ``(kind, value)`` with kind ``"ptr" | "i32" | "i64" | "f32"``, so one
-argument list (built in api.py) serves both backends.
+Kernels take their arguments as a tuple of kinds (``"ptr" | "i32" | "i64" | "f32"``) and a list
+of values, so one argument list (built in launch.py) serves both backends.
 """
 
 from __future__ import annotations
@@ -134,11 +134,11 @@ class CudaKernel:
                                           self.smem_bytes)), "cuOccupancyMaxActiveBlocks")
         return max(1, n.value)
 
-    def launch(self, grid: tuple, args: list, stream_ptr: int) -> None:
+    def launch(self, grid: tuple, kinds: tuple, values: list, stream_ptr: int) -> None:
         """Launch on the CUDA stream ``stream_ptr`` (torch's current stream); no sync.
-        ``args`` are ``(kind, value)`` pairs matching the kernel's signature."""
-        kinds, values = zip(*args)
-        if self._params is None or self._params.kinds != kinds:
+        ``kinds`` and ``values`` match the kernel's signature."""
+        if self._params is None or (self._params.kinds is not kinds and
+                                    self._params.kinds != kinds):
             self._params = _ParamBuffer(kinds)
         params = self._params.pack(values)
         drv = _driver()
@@ -157,10 +157,13 @@ class CpuKernel:
     library: ctypes.CDLL
     entries: dict             # symbol name -> ctypes function
 
-    def launch(self, entry: str, args: list) -> None:
-        """Call entry point ``entry`` (its full symbol name) with typed arguments."""
+    def launch(self, entry: str, kinds: tuple, values: list) -> None:
+        """Call entry point ``entry`` (its full symbol name) with arguments of ``kinds``."""
         fn = self.entries[entry]
-        rc = fn(*(_CTYPES[k](v) for k, v in args))
+        if getattr(fn, "kinds", None) is not kinds:  # ctypes converts by argtypes
+            fn.argtypes = [_CTYPES[k] for k in kinds]
+            fn.kinds = kinds
+        rc = fn(*values)
         if rc != 0:
             raise RuntimeError(f"jitattn CPU kernel returned {rc}")
 

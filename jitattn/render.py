@@ -84,18 +84,19 @@ def tiles_for(kind: str, head_dim: int, *, arch: str | None = None, kv_fp8: bool
 QUERY_TILES = ("auto", "short", "long")
 
 
-def query_kind(max_packed_rows: int, head_dim: int, query_tile: str = "auto") -> str:
-    """The kernel kind a prefill runs on, by query length (FlashInfer's choice of the query
-    tile by the packed query length, arXiv 2501.01005 section 3.3): "decode" when every
-    request's packed query rows (qo_len x GQA group) fit in the decode kernel's one 16-row
+def query_kind(max_qo_len: int, group: int, head_dim: int, query_tile: str = "auto") -> str:
+    """The kernel kind a batch whose longest request has max_qo_len queries, GQA group
+    ``group``, runs on, by query length (FlashInfer's choice of the query tile by the packed
+    query length, arXiv 2501.01005 section 3.3): "decode" for one query per request, or when
+    every request's packed query rows (qo_len x group) fit in the decode kernel's one 16-row
     tile ("short": its warps split each K/V tile, so a few rows stream the KV at the memory's
     pace instead of filling 16 or fewer of a prefill tile's 128 rows, as in speculative
     verification or a decode step of several tokens), else "prefill" ("long"). query_tile
     "short" / "long" fixes the choice; both kernels give the same results for any query
     length (a short tile cuts a longer request into several)."""
     if query_tile == "auto":
-        short = max_packed_rows <= tiles_for("decode", head_dim).rows_per_cta("decode")
-        return "decode" if short else "prefill"
+        rows = tiles_for("decode", head_dim).rows_per_cta("decode")
+        return "decode" if max_qo_len <= 1 or max_qo_len * group <= rows else "prefill"
     return "decode" if query_tile == "short" else "prefill"
 
 

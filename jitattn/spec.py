@@ -200,6 +200,8 @@ class Variant:
         Returns name -> float (scalars) or contiguous tensor. Raises ValueError (missing, extra,
         wrong shape) or TypeError (wrong type or dtype) naming the parameter.
         """
+        if not params and not self._params:  # most variants: nothing to bind (host time)
+            return {}
         expected = set(self.runtime_param_names)
         extra, missing = set(params) - expected, expected - set(params)
         if extra:

@@ -334,6 +334,16 @@ def test_short_queries_with_a_custom_mask():
     assert plan.rows_per_cta == 16 and (out[0] == 0).all()
 
 
+def test_query_kind_rule():
+    """One query per request stays on the decode kernel at any GQA group (32 rows: two
+    tiles); several queries take it up to 16 packed rows."""
+    from jitattn.render import query_kind
+    assert query_kind(1, 32, 128) == "decode" and query_kind(2, 8, 128) == "decode"
+    assert query_kind(3, 8, 128) == "prefill" and query_kind(0, 4, 64) == "decode"
+    assert query_kind(1, 1, 256, "long") == "prefill" and query_kind(99, 4, 64, "short") == \
+        "decode"
+
+
 def test_query_tile_is_checked():
     with pytest.raises(ValueError, match="query_tile='tiny'"):
         ja.BatchPrefill(ja.Variant("c"), device="cpu", query_tile="tiny")

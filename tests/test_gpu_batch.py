@@ -8,8 +8,8 @@ import torch
 import jitattn as ja
 from jitattn import catalog, reference
 
-from helpers import (TOL, check_batch, check_linear_partition, compare, every_feature_variant,
-                     make_batch, make_paged, quantize_fp8)
+from helpers import (TOL, check, check_batch, check_linear_partition, compare,
+                     every_feature_variant, make_batch, make_paged, quantize_fp8)
 
 pytestmark = pytest.mark.gpu
 BUILTIN = catalog.builtin()
@@ -168,7 +168,10 @@ def test_cuda_graph_keeps_the_captured_query_tile():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-def test_custom_and_multi_item_masks_gpu(dtype):
+@pytest.mark.parametrize("query_tile", ["auto", "short"])
+def test_custom_and_multi_item_masks_gpu(dtype, query_tile):
+    """Both masks on the prefill kernel's tiles and on the decode kernel's 16-row tiles
+    ("short": requests of 280 packed rows in 18 tiles)."""
     qo_lens, kv_lens = [4, 1, 70], [10, 33, 300]
     cache, kv_indptr, kv_indices, last = make_paged(kv_lens, 2, 128, 16, "NHD", dtype, "cuda",
                                                     seed=31)
@@ -177,7 +180,7 @@ def test_custom_and_multi_item_masks_gpu(dtype):
     gen = torch.Generator().manual_seed(33)
     flat = torch.rand(sum(a * b for a, b in zip(qo_lens, kv_lens)), generator=gen) < 0.3
     custom = ja.Variant("tree", mask="custom")
-    w = ja.BatchPrefill(custom, page_size=16)
+    w = ja.BatchPrefill(custom, page_size=16, query_tile=query_tile)
     w.plan(qo_indptr, kv_indptr, kv_indices, last, 8, 2, 128, q_dtype=dtype, custom_mask=flat)
     check_batch(w, custom, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last, "NHD",
                 custom_mask=flat)
@@ -191,12 +194,30 @@ def test_custom_and_multi_item_masks_gpu(dtype):
     q, *_ = make_batch([total], [total], 8, 2, 128, dtype, "cuda", seed=35)
     qo_indptr = _cumsum([total])
     prefix_len = torch.tensor([prefix], dtype=torch.int32)
-    w = ja.BatchPrefill(multi, page_size=16)
+    w = ja.BatchPrefill(multi, page_size=16, query_tile=query_tile)
     w.plan(qo_indptr, kv_indptr, kv_indices, last, 8, 2, 128, q_dtype=dtype,
            prefix_len=prefix_len, token_pos_in_items=pos,
            max_item_len=torch.tensor([20], dtype=torch.int32))
     check_batch(w, multi, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last, "NHD",
                 prefix_len=prefix_len, token_pos_in_items=pos)
+
+
+def test_gqa_groups_above_16_gpu():
+    """32 query heads on one KV head: one query per request stays on the decode kernel (two
+    16-row tiles per request), three run on the prefill kernel, and forced 16-row tiles agree."""
+    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    for qo_lens, kv_lens in (([1, 1, 1], [900, 1, 40]), ([3, 1, 0], [900, 17, 40])):
+        q, k, v, qo_indptr, kv_indptr = make_batch(qo_lens, kv_lens, 32, 1, 128,
+                                                   torch.float16, "cuda", seed=43)
+        check(variant, {}, q, k, v, qo_indptr, kv_indptr)
+        for tile in ("auto", "short"):
+            w = ja.BatchPrefill(variant, kv_layout="ragged", query_tile=tile)
+            plan = w.plan(qo_indptr, kv_indptr, None, None, 32, 1, 128)
+            assert plan.rows_per_cta == (16 if tile == "short" or max(qo_lens) == 1 else 128)
+            out, lse = w.run(q, (k, v), return_lse=True)
+            ref_o, ref_lse = reference.attention(q, k, v, variant, qo_indptr=qo_indptr,
+                                                 kv_indptr=kv_indptr, return_lse=True)
+            compare(variant, out, lse, ref_o, ref_lse)
 
 
 def test_ragged_kv_prefill_gpu():
@@ -240,9 +261,10 @@ def test_fp8_kv_cache_matches_reference(dtype, layout, page_size):
     variant = ja.Variant("fp8_softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     scales = dict(k_scale=0.5, v_scale=2.0)
     for head_dim, (hq, hkv) in ((128, (32, 8)), (64, (7, 1)), (256, (4, 4)), (32, (12, 12))):
-        for kind in ("decode", "prefill"):
-            qo_lens, kv_lens = (([1] * 6, [1, 5000, 0, 77, 300, 16]) if kind == "decode" else
-                                ([0, 1, 45, 130, 7], [5, 600, 30, 130, 2000]))
+        for kind in ("decode", "prefill", "short"):  # short: several queries, 16-row tiles
+            qo_lens, kv_lens = {"decode": ([1] * 6, [1, 5000, 0, 77, 300, 16]),
+                                "prefill": ([0, 1, 45, 130, 7], [5, 600, 30, 130, 2000]),
+                                "short": ([0, 1, 3, 4, 2], [5, 600, 3, 130, 2000])}[kind]
             cache, kv_indptr, kv_indices, last = make_paged(kv_lens, hkv, head_dim, page_size,
                                                             layout, dtype, "cuda", seed=head_dim)
             (k8, k_ref), (v8, v_ref) = (quantize_fp8(c, scales[n]) for c, n in
@@ -254,7 +276,8 @@ def test_fp8_kv_cache_matches_reference(dtype, layout, page_size):
                 w.plan(kv_indptr, kv_indices, last, hq, hkv, head_dim, q_dtype=dtype,
                        kv_dtype=torch.float8_e4m3fn)
             else:
-                w = ja.BatchPrefill(variant, page_size=page_size, kv_layout=layout)
+                w = ja.BatchPrefill(variant, page_size=page_size, kv_layout=layout,
+                                    query_tile="short" if kind == "short" else "long")
                 w.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hkv, head_dim,
                        q_dtype=dtype, kv_dtype=torch.float8_e4m3fn)
             check_batch(w, variant, {}, q, (k8, v8), qo_indptr, kv_indptr, kv_indices, last,
