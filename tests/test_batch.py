@@ -119,6 +119,28 @@ def test_run_checks_against_the_plan():
         w.run(q, (kv_cache[0][:2].contiguous(), kv_cache[1][:2].contiguous()))
 
 
+def test_warm_runs_still_refuse_bad_inputs():
+    """After good calls (run()'s fast checks warm, strides remembered), each bad input is
+    still refused with its message: a misaligned or strided cache, v_cache alone of the wrong
+    dtype, a misaligned q."""
+    (k, v), kv_indptr, kv_indices, last = _simple()
+    w = ja.BatchPrefill(ja.Variant("c"), page_size=16, device="cpu")
+    w.plan(torch.tensor([0, 1, 2], dtype=torch.int32), kv_indptr, kv_indices, last, 4, 2, 64)
+    q = torch.randn(2, 4, 64, dtype=torch.float16)
+    good = w.run(q, (k, v))
+    torch.testing.assert_close(w.run(q, (k, v)), good)
+    shifted = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape).copy_(k)
+    wide = torch.empty(*k.shape[:-1], 2 * k.shape[-1], dtype=k.dtype)[..., ::2].copy_(k)
+    for cache, match in (((shifted, v), "16-byte aligned"), ((k, wide), "strides"),
+                         ((k, v.bfloat16()), "v_cache has dtype")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            w.run(q, cache)
+    q_shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    with pytest.raises(ValueError, match="q has strides"):
+        w.run(q_shifted, (k, v))
+    torch.testing.assert_close(w.run(q, (k, v)), good)
+
+
 def test_capacity_is_enforced():
     kv_cache, kv_indptr, kv_indices, last = _simple()
     w = ja.BatchPrefill(ja.Variant("c"), page_size=16, device="cpu", max_batch_size=1)
