@@ -170,10 +170,10 @@ def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
     """Launch one attention kernel: the CPU backend for CPU tensors, else the CUDA kernel of
     ``kind`` ("prefill" | "decode"), on a persistent grid of plan.num_ctas CTAs when planned."""
     head_dim = q.shape[2]
-    kinds, values = attention_args(q, kv, out, lse, variant, bound, num_kv_heads=num_kv_heads,
-                          qo_indptr=qo_indptr, kv_indptr=kv_indptr, plan=plan, batch=batch,
-                          single_qo_len=single_qo_len, single_kv_len=single_kv_len,
-                          sm_scale=sm_scale)
+    kinds, values = attention_args(
+        q, kv, out, lse, variant, bound, num_kv_heads=num_kv_heads, qo_indptr=qo_indptr,
+        kv_indptr=kv_indptr, plan=plan, batch=batch, single_qo_len=single_qo_len,
+        single_kv_len=single_kv_len, sm_scale=sm_scale)
     tag, kv_tag = dtypes.tag(q.dtype), dtypes.kv_tag(kv.k.dtype)
     if q.device.type == "cpu":
         jit.get_kernel(variant, backend="cpu", head_dim=head_dim).launch(

@@ -1,0 +1,80 @@
+"""The CUDA launch path's argument packing, on a machine without a GPU: CudaKernel.launch over
+a stand-in for the driver, the packed parameters read back through the pointers that
+cuLaunchKernel would receive."""
+
+import ctypes
+
+import torch
+
+import jitattn as ja
+from jitattn import launch, load
+
+from helpers import make_paged
+
+_READ = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64,
+         "f32": ctypes.c_float}
+
+
+class _FakeDriver:
+    """Records cuLaunchKernel's arguments and reads the parameters back at once (the buffer
+    is reused by the next launch)."""
+
+    def __init__(self):
+        self.launches = []
+        self.lib = self
+
+    def call_in_context(self, device_index, fn):
+        return fn()
+
+    def check(self, rc, what):
+        assert rc == 0, what
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        self.launches.append(((gx, gy, gz), (bx, by, bz), smem, stream, params))
+        return 0
+
+
+def _read_back(kinds, params: int) -> list:
+    pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+    return [ctypes.cast(pointers[i], ctypes.POINTER(_READ[k])).contents.value
+            for i, k in enumerate(kinds)]
+
+
+def test_cuda_launch_packs_every_argument_in_order(monkeypatch):
+    fake = _FakeDriver()
+    monkeypatch.setattr(load, "_DRIVER", fake)
+    cap = ja.scalar("cap")
+    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
+    variant = ja.Variant("packing", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap) +
+                         slopes[h] * (k - q))
+    (k, v), kv_indptr, kv_indices, last = make_paged([10, 20], 2, 64, 16, "NHD",
+                                                     torch.float16, "cpu", seed=0)
+    w = ja.BatchPrefill(variant, page_size=16, device="cpu")
+    w.plan(torch.tensor([0, 3, 5], dtype=torch.int32), kv_indptr, kv_indices, last, 4, 2, 64)
+    q = torch.randn(5, 4, 64, dtype=torch.float16)
+    out, lse = torch.empty_like(q), torch.empty(5, 4)
+    bound = variant.bind({"cap": 20.0, "slopes": torch.ones(4)}, device=q.device,
+                         sizes=w._planned["sizes"])
+    kv = launch.KVView.paged(k, v, w._ws.view("kv_indices"), "NHD")
+    kinds, values = launch.attention_args(q, kv, out, lse, variant, bound, num_kv_heads=2,
+                                          plan=w._device_plan, batch=2, single_qo_len=0,
+                                          single_kv_len=0, sm_scale=0.125)
+    assert len(kinds) == len(values) == 32 + 1 + 2
+    assert values[0] == q.data_ptr() and values[-3] == 20.0
+    assert values[-2] == bound["slopes"].data_ptr() and values[-1] == 4
+    kernel = load.CudaKernel(function=1234, device_index=0, threads=256, smem_bytes=4096,
+                             rows_per_cta=128, kind="prefill")
+    kernel.launch((7, 1, 1), kinds, values, 99)
+    grid, block, smem, stream, params = fake.launches[-1]
+    assert (grid, block, smem, stream) == ((7, 1, 1), (256, 1, 1), 4096, 99)
+    assert _read_back(kinds, params) == values
+    buffer = kernel._params
+    values2 = list(values)
+    values2[14] = 3  # another single_qo_len: the same buffer, repacked
+    kernel.launch((1, 1, 1), kinds, values2, 0)
+    assert kernel._params is buffer and _read_back(kinds, fake.launches[-1][4]) == values2
+    merge_kinds = launch._MERGE_KINDS
+    merge_values = [1, 2, 3, 4, 5, 6, 7, 8, 1 << 40, 9, 10, 128, 1]
+    kernel.launch((1, 1, 1), merge_kinds, merge_values, 0)  # another signature: a new buffer
+    assert kernel._params is not buffer
+    assert _read_back(merge_kinds, fake.launches[-1][4]) == merge_values
