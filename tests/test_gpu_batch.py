@@ -25,6 +25,19 @@ def _cumsum(lens):
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
 
 
+def _capture(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of fn(), after one call on a side stream (first launches, allocations)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 @pytest.mark.parametrize("name", sorted(BUILTIN))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("layout, page_size", [("NHD", 16), ("HND", 1), ("NHD", 3)])
@@ -109,14 +122,7 @@ def test_cuda_graph_replays_across_plans():
 
     plan_for(lengths[0], 0)
     q.copy_(torch.randn(batch, hq, head_dim, generator=gen).half())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        d.run(q, cache, out=out, lse=lse)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        d.run(q, cache, out=out, lse=lse)
+    graph = _capture(lambda: d.run(q, cache, out=out, lse=lse))
     for i, lens in enumerate(lengths):
         indptr, indices, last = plan_for(lens, i)
         q.copy_(torch.randn(batch, hq, head_dim, generator=gen).half())
@@ -145,14 +151,7 @@ def test_cuda_graph_keeps_the_captured_query_tile():
         lse = torch.empty(16, hq, dtype=torch.float32, device="cuda")
         assert w.plan(_cumsum(first), kv_indptr, kv_indices, last, hq, hkv,
                       head_dim).rows_per_cta == rows
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            w.run(q, cache, out=out, lse=lse)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            w.run(q, cache, out=out, lse=lse)
+        graph = _capture(lambda: w.run(q, cache, out=out, lse=lse))
         for seed, qo_lens in enumerate((second, first)):
             assert w.plan(_cumsum(qo_lens), kv_indptr, kv_indices, last, hq, hkv,
                           head_dim).rows_per_cta == rows
