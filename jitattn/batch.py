@@ -371,7 +371,10 @@ class BatchPrefill:
             for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                         not math.isfinite(value) or value <= 0:
-                    raise ValueError(f"{name}={value!r}: expected a finite Python float > 0")
+                    hint = " (read a tensor scale once with .item(): a tensor here would " \
+                        "cost a device sync per call)" if isinstance(value, torch.Tensor) else ""
+                    raise ValueError(f"{name}={value!r}: expected a finite Python float > 0"
+                                     f"{hint}")
             scale = self._planned.get("sm_scale", 1.0) * k_scale  # the kernels' softmax scale
             if not launch.positive_f32(scale):
                 raise ValueError(f"k_scale={k_scale!r}: sm_scale x k_scale = {scale!r} must be "

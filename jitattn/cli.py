@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from . import __version__, build, catalog, env, jit, render
 from .cache import Cache
 
 
 def _doctor(args) -> int:
-    print(f"jitattn {__version__}")
+    print(f"jitattn {__version__} ({Path(__file__).parent})")
     nvcc = env.nvcc_path()
     print(f"nvcc: {nvcc or 'not found (CUDA kernels will be built with NVRTC through CuPy)'}")
     if nvcc:

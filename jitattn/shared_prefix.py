@@ -29,6 +29,7 @@ dense (P + sum S)^2 mask (max_mask_bytes); pass larger capacities for big batche
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import operator
 
 import numpy as np
@@ -42,6 +43,9 @@ from .render import tiles_for
 from .spec import Variant
 
 STRATEGIES = ("naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
+_CAPACITY_DEFAULTS = {name: p.default for name, p in
+                      inspect.signature(BatchPrefill.__init__).parameters.items()
+                      if name.startswith("max_")}
 
 
 def _reads(variant: Variant, symbols: tuple) -> bool:
@@ -137,8 +141,9 @@ class SharedPrefixPrefill:
     def choose(self, prefix_len: int, suffix_lens, num_qo_heads: int = 1,
                num_kv_heads: int = 1, head_dim: int = 128) -> str:
         """The strategy "auto" takes for this batch. With a table measured by ``jitattn tune``
-        on this device for this head configuration: the fastest exact strategy of the nearest
-        measured cell (tune.lookup). Otherwise a rule fitted to the grid measured with
+        on this device for this head configuration: the fastest exact strategy that fits the
+        capacities, at the nearest measured cell within tune.MAX_LOG2_DISTANCE (tune.lookup).
+        Otherwise a rule fitted to the grid measured with
         ``jitattn bench shared-prefix`` on the H200 (docs/performance.md, v6): "cascade" when
         a long prefix (>= 1024 tokens) is shared by 8 or more requests whose suffixes are short
         (suffix_len * GQA group <= half a prefill tile: "ragged" would run each request's few
@@ -150,7 +155,8 @@ class SharedPrefixPrefill:
         table = tune.load(tune.device_key(self.device))
         if table is not None and (table["num_qo_heads"], table["num_kv_heads"],
                                   table["head_dim"]) == (num_qo_heads, num_kv_heads, head_dim):
-            exact = [s for s in STRATEGIES if not features - ALLOWED[s]]
+            exact = [s for s in STRATEGIES if not features - ALLOWED[s] and
+                     self._fits(s, prefix_len, suffix_lens)]
             measured = tune.lookup(table, prefix_len, longest, m, exact)
             if measured is not None:
                 return measured
@@ -160,6 +166,21 @@ class SharedPrefixPrefill:
                 not features - ALLOWED["cascade"]:
             return "cascade"
         return "ragged" if not features - ALLOWED["ragged"] else "naive"
+
+    def _fits(self, strategy: str, prefix_len: int, suffix_lens) -> bool:
+        """Whether ``strategy``'s plans fit the capacities given to the constructor (or
+        BatchPrefill's defaults): the dense mask of custom_mask, the item positions of
+        multi_item, the repeated prefix pages of naive and ragged."""
+        def cap(name):
+            return self._capacities.get(name, _CAPACITY_DEFAULTS[name])
+        total, suffixes = prefix_len + sum(suffix_lens), sum(suffix_lens)
+        if strategy == "custom_mask":
+            return -(-total * total // 8) <= cap("max_mask_bytes")
+        if strategy == "multi_item":
+            return suffixes <= cap("max_item_tokens")
+        if strategy in ("naive", "ragged"):
+            return len(suffix_lens) * prefix_len + suffixes <= cap("max_num_pages")
+        return True
 
     def plan(self, prefix_len: int, suffix_lens, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, *, q_dtype=torch.float16, sm_scale: float | None = None) -> str:

@@ -1,9 +1,9 @@
 """``jitattn tune``: measure every shared-prefix strategy on this device over a grid of
 (prefix P, suffix S, requests M) and store the table beside the kernel cache; the strategy
-"auto" of SharedPrefixPrefill then takes, per batch, the fastest exact strategy of the nearest
-measured cell (nearest in log2 of P + 1, S and M), for the head configuration the table was
-measured with. Without a table for the device and head configuration, "auto" applies the rule
-in SharedPrefixPrefill.choose.
+"auto" of SharedPrefixPrefill then takes, per batch, the fastest exact strategy that fits the
+wrapper's capacities at the nearest measured cell (nearest in log2 of P + 1, S and M, and no
+further than MAX_LOG2_DISTANCE along any), for the head configuration the table was measured
+with. Without such a cell, "auto" applies the rule in SharedPrefixPrefill.choose.
 
 The table is JSON: {"device", "num_qo_heads", "num_kv_heads", "head_dim", "dtype", "cells":
 [{"prefix", "suffix", "requests", "ms": {strategy: milliseconds}}]}, written atomically.
@@ -63,16 +63,25 @@ def save(table: dict) -> Path:
     return path
 
 
+# a measured cell speaks for batches up to this far from it, in log2 units along each of P + 1,
+# S and M: half the widest gap of the full grid (S from 4 to 32), so that every batch between
+# measured cells has one, while a batch far outside the table (or a --quick table's two tiny
+# cells) gets the rule instead
+MAX_LOG2_DISTANCE = 1.5
+
+
 def lookup(table: dict, prefix_len: int, suffix_len: int, requests: int, allowed) -> str | None:
-    """The fastest strategy among ``allowed`` at the measured cell nearest to (P, S, M)."""
-    def distance(cell):
-        return ((math.log2(cell["prefix"] + 1) - math.log2(prefix_len + 1)) ** 2 +
-                (math.log2(cell["suffix"]) - math.log2(max(1, suffix_len))) ** 2 +
-                (math.log2(cell["requests"]) - math.log2(max(1, requests))) ** 2)
-    cells = [c for c in table.get("cells", []) if any(s in c["ms"] for s in allowed)]
+    """The fastest strategy among ``allowed`` at the measured cell nearest to (P, S, M), or
+    None when no cell is within MAX_LOG2_DISTANCE of it along every axis."""
+    def offsets(cell):
+        return (math.log2(cell["prefix"] + 1) - math.log2(prefix_len + 1),
+                math.log2(cell["suffix"]) - math.log2(max(1, suffix_len)),
+                math.log2(cell["requests"]) - math.log2(max(1, requests)))
+    cells = [c for c in table.get("cells", []) if any(s in c["ms"] for s in allowed) and
+             max(map(abs, offsets(c))) <= MAX_LOG2_DISTANCE]
     if not cells:
         return None
-    ms = min(cells, key=distance)["ms"]
+    ms = min(cells, key=lambda c: sum(x * x for x in offsets(c)))["ms"]
     return min((s for s in allowed if s in ms), key=lambda s: ms[s])
 
 

@@ -64,6 +64,8 @@ def test_fp8_kv_errors_name_the_argument():
     for bad in (0.0, -1.0, float("nan"), True, "1", 1e-45):  # 1e-45 x sm_scale: 0 in float32
         with pytest.raises(ValueError, match="k_scale="):
             w.run(q, cache8, k_scale=bad)
+    with pytest.raises(ValueError, match=r"v_scale=tensor\(2\.\).*\.item\(\)"):
+        w.run(q, cache8, v_scale=torch.tensor(2.0))
     out = w.run(q, cache8, v_scale=2.0)
     torch.testing.assert_close(out, 2 * w.run(q, cache8), rtol=1e-3, atol=1e-3)
 

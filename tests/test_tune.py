@@ -59,3 +59,23 @@ def test_no_table_means_the_fitted_rule(fresh_tables):
     assert tune.load("cpu") is None
     sp = SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu")
     assert sp.choose(8196, [4] * 32, 16, 8, 128) == "cascade"
+
+
+def test_a_table_speaks_only_near_its_cells_and_within_capacities(fresh_tables):
+    """A --quick table's tiny cells do not decide a batch of 8196 prefix tokens (the rule
+    does), and a strategy whose plans would not fit the capacities is never taken."""
+    tune.save({"device": "cpu", "num_qo_heads": 16, "num_kv_heads": 8, "head_dim": 128,
+               "dtype": "torch.float16",
+               "cells": [{"prefix": p, "suffix": s, "requests": m,
+                          "ms": {**{x: 2.0 for x in STRATEGIES}, "multi_item": 1.0}}
+                         for p, s, m in tune.QUICK_CELLS]})
+    sp = SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu")
+    assert sp.choose(8196, [4] * 32, 16, 8, 128) == "cascade"  # the rule
+    assert sp.choose(40, [3] * 4, 16, 8, 128) == "multi_item"  # a measured cell
+    _write({"custom_mask": 1.0, "ragged": 2.0, "naive": 3.0})
+    # 8196 + 32 x 4 tokens: an 8.7 MB dense mask fits the default 16 MB, 2.2 MB does not
+    assert sp.choose(8196, [4] * 32, 16, 8, 128) == "custom_mask"
+    small = SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu",
+                                max_mask_bytes=1 << 21)
+    assert small.choose(8196, [4] * 32, 16, 8, 128) == "ragged"
+    small.plan(8196, [4] * 32, 16, 8, 128)  # plans, where custom_mask would have raised
