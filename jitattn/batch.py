@@ -245,6 +245,12 @@ class BatchPrefill:
                        qo_len=int(qo_lens.max(initial=0)), kv_len=int(kv_lens.max(initial=0))))
         return plan
 
+    @property
+    def kernel(self) -> str | None:
+        """The kernel the last plan() runs on: "prefill" (128-row query tiles) or "decode"
+        (16-row tiles whose warps split the keys; see query_tile); None before plan()."""
+        return self._planned.get("kind")
+
     def _kernel_kind(self, max_qo_len: int, group: int, head_dim: int) -> str:
         """The kernel this plan runs on: BatchDecode's is "decode"; BatchPrefill's follows
         query_tile, or the kernel a CUDA graph captured (see the class docstring)."""

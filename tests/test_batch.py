@@ -311,6 +311,7 @@ def _short_batch(variant, qo_lens, kv_lens, hq, hkv, page_size, query_tile, **ma
     qo_indptr = _cumsum(qo_lens)
     w = ja.BatchPrefill(variant, page_size=page_size, device="cpu", query_tile=query_tile)
     plan = w.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hkv, 64, **mask)
+    assert w.kernel == ("decode" if plan.rows_per_cta == 16 else "prefill")
     out, _ = check_batch(w, variant, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last,
                          "NHD", **mask)
     return plan, out
@@ -330,6 +331,7 @@ def test_short_queries_take_the_16_row_tiles(variant, page_size):
     qo_lens, kv_lens = [4, 0, 1, 3, 2], [300, 7, 1, 45, 2]
     plan, out = _short_batch(variant, qo_lens, kv_lens, 8, 2, page_size, "auto")
     assert plan.rows_per_cta == 16
+    assert ja.BatchPrefill(variant, device="cpu").kernel is None  # before plan()
     long_plan, long_out = _short_batch(variant, qo_lens, kv_lens, 8, 2, page_size, "long")
     assert long_plan.rows_per_cta == 128
     torch.testing.assert_close(out, long_out, atol=2e-3, rtol=2e-3)
