@@ -40,6 +40,38 @@ def _symbols(e, memo: dict) -> frozenset:
     return memo[id(e)]
 
 
+def divisions_as_products(roots) -> list:
+    """The traced expressions with each division ``x / y`` whose divisor reads neither score
+    nor kv_idx rewritten as ``x * (1 / y)``: a constant divisor's reciprocal folded (rounded
+    to float32), any other left as a subexpression that hoist_row_invariants then computes once
+    per query row. Each (row, key) element then costs a multiply instead of a division (on the
+    GPU a reciprocal on the special-function unit, which the softmax's exp2 and tanh also use,
+    plus a correction and a slow-path test). The result differs from x / y by about one float32
+    rounding; a zero or non-finite constant divisor is left as a division."""
+    memo, sym_memo = {}, {}
+
+    def rewrite(e):
+        if not hasattr(e, "op"):
+            return e
+        if id(e) in memo:
+            return memo[id(e)]
+        args = tuple(rewrite(y) for y in e.args)
+        out = e if all(x is y for x, y in zip(args, e.args)) else type(e)(e.op, args, e.kind)
+        if e.op == "/" and _symbols(args[1], sym_memo) <= ROW_SYMBOLS:
+            num, den = args
+            if den.op == "const":
+                v = float(den.args[0])
+                if v != 0 and math.isfinite(v) and math.isfinite(float(np.float32(1.0 / v))):
+                    recip = type(e)("const", (float(np.float32(1.0 / v)),), "float")
+                    out = type(e)("*", (num, recip), "float")
+            else:
+                one = type(e)("const", (1.0,), "float")
+                out = type(e)("*", (num, type(e)("/", (one, den), "float")), "float")
+        memo[id(e)] = out
+        return out
+    return [rewrite(r) for r in roots]
+
+
 def hoist_row_invariants(roots) -> tuple[list, dict]:
     """Loop-invariant code motion for the mods: the largest subexpressions that read only b, h
     and q_idx (the same for every key of a query row, e.g. ALiBi's slopes[h]) are computed once

@@ -176,15 +176,15 @@ def render_variant(variant: Variant, *, backend: str, head_dim: int) -> str:
     decls, _ = _param_decls(variant, backend)
     rope = variant.pos_encoding
     freqs = [repr(float(f)) + "f" for f in rope.inv_freq(head_dim)] if rope else ["0.0f"]
-    row_fields, hoisted = emit.hoist_row_invariants(
-        [t.expr for t in (variant.score, variant.mask_pred) if t is not None])
+    score, mask = emit.divisions_as_products(
+        [t.expr if t is not None else None for t in (variant.score, variant.mask_pred)])
+    row_fields, hoisted = emit.hoist_row_invariants([t for t in (score, mask) if t is not None])
     return _environment().get_template("common/variant.h.j2").render(
         variant=variant, version=__version__, param_fields=decls,
         mask_mode=("none", "causal", "custom", "multi_item").index(variant.mask),
         row_fields=row_fields,
-        score_expr=emit.emit_cpp(variant.score.expr, hoisted) if variant.score else "score",
-        mask_expr=emit.emit_cpp(variant.mask_pred.expr, hoisted) if variant.mask_pred
-        else "true",
+        score_expr=emit.emit_cpp(score, hoisted) if score is not None else "score",
+        mask_expr=emit.emit_cpp(mask, hoisted) if mask is not None else "true",
         rope_mode=0 if rope is None else (1 if rope.style == "neox" else 2),
         rope_inv_freq=freqs, head_dim=head_dim)
 

@@ -41,6 +41,16 @@ def test_custom_variant_with_every_feature():
     check(variant, params, q, k, v, qo, kv)
 
 
+def test_divisions_match_the_reference():
+    """Divisions by a constant, a runtime scalar and a per-head value run as products with a
+    reciprocal (render: divisions_as_products); one by kv_idx stays a division."""
+    cap = ja.scalar("cap")
+    variant = ja.Variant("divisions", mask="causal", score_mod=lambda s, b, h, q, kv: (
+        cap * ja.tanh(s / cap) + 30.0 * ja.tanh(s / 30.0) + s / (h + 2) + 3.0 / (kv + 1.0)))
+    q, k, v, qo, kv = make_batch([3, 50], [60, 50], 8, 2, 64, torch.float16, "cpu", seed=9)
+    check(variant, {"cap": 7.0}, q, k, v, qo, kv)
+
+
 def test_fully_masked_rows_give_zero_and_minus_inf():
     variant = ja.Variant("causal", mask="causal")
     q, k, v, _, _ = make_batch([20], [8], 4, 4, 64, torch.float16, "cpu", seed=3)

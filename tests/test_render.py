@@ -94,6 +94,23 @@ def test_compile_error_maps_back_to_variant_line():
     assert str(err.path) in str(err)
 
 
+def test_divisions_by_row_invariants_become_products():
+    """score / cap: a constant's reciprocal folded, a runtime scalar's (or a per-head value's)
+    computed once per row; a divisor reading kv_idx stays a division, and so does 0."""
+    cap = ja.scalar("cap")
+    const = render.render_variant(ja.Variant("c", score_mod=ja.soft_cap(50.0)), backend="cpu",
+                                  head_dim=64)
+    assert "score * 0.019999999552965164f" in const and "/ (float)50.0f" not in const
+    runtime = render.render_variant(
+        ja.Variant("r", score_mod=lambda s, b, h, q, kv: cap * ja.tanh(s / cap) + s / (h + 2) +
+                   s / (kv + 1.0) + s / 0.0), backend="cpu", head_dim=64)
+    assert "row.r0 = ((float)1.0f / (float)p.jap_cap);" in runtime
+    assert "row.r1 = ((float)1.0f / (float)(((long long)h) + (2LL)));" in runtime
+    assert "(score * row.r0)" in runtime and "(score * row.r1)" in runtime
+    assert "(float)score / (float)(((long long)kv_idx) + 1.0f)" in runtime
+    assert "(float)score / (float)0.0f" in runtime
+
+
 def test_row_invariant_subexpressions_are_hoisted():
     """ALiBi's slopes[h] depends on the query row only: read once per row (Variant::row), and
     the per-key score_mod refers to it; subexpressions with kv_idx or score stay per key."""
