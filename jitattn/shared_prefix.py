@@ -22,6 +22,10 @@ exactly (see ALLOWED): cascade, multi_item and custom_mask need hooks that read 
 positions (RoPE, window, q_idx / kv_idx) nor the request index b, nor tensors shaped by
 batch_size / qo_len / kv_len; split allows positions; ragged allows positions, b, and tensors
 shaped by batch_size / kv_len. Others raise ValueError naming the reason.
+Launches whose requests read consecutive runs of keys (split's first request, every cascade
+level, multi_item, custom_mask) read k / v directly (BatchPrefill's "ragged" kv_layout, no page
+table: on the H200 a paged prefill over the same tokens ran at 0.88x, docs/performance.md v12);
+naive, ragged and split's second launch list one-token pages of the layout.
 Capacities: ragged and naive list M * P page entries (max_num_pages); custom_mask builds a
 dense (P + sum S)^2 mask (max_mask_bytes); pass larger capacities for big batches.
 """
@@ -206,9 +210,19 @@ class SharedPrefixPrefill:
                      q_dtype=q_dtype, sm_scale=sm_scale)
         prefix_ids = np.arange(p)
         own = [np.arange(a, a + n) for a, n in zip(starts, s)]
-        steps = []  # (wrapper name, rows: slice of the layout or index tensors, kind)
+        # (wrapper name, rows: slice of the layout or index tensors, kind, keys: None for a
+        # page table over the layout, or the slice of k / v a contiguous step reads)
+        steps = []
         total = p + sum(s)
         first_suffix = p + s[0]
+
+        def contiguous(name, variant, q_rows_per_req, kv_lens, **mask):
+            """A step whose requests' keys are consecutive runs of the layout, one after the
+            other: planned over k / v directly ("ragged" kv_layout, no page table to read)."""
+            w = self._wrapper(name, variant, "ragged")
+            w.plan(_indptr([len(x) for x in q_rows_per_req]), _indptr(kv_lens), None, None,
+                   **heads, **mask)
+            return w
 
         def paged(name, variant, q_rows_per_req, kv_ids_per_req, **mask):
             w = self._wrapper(name, variant, "NHD")
@@ -225,37 +239,37 @@ class SharedPrefixPrefill:
             _, first = np.unique(gather, return_index=True)  # request 0 owns the prefix rows
             as_dev = lambda x: torch.as_tensor(x, dtype=torch.long, device=self.device)  # noqa
             steps.append(("naive", (as_dev(gather), as_dev(first), as_dev(gather[first])),
-                          "naive"))
+                          "naive", None))
         elif strategy in ("split", "ragged"):
             first = np.concatenate([prefix_ids, own[0]])
             rest_q = own[1:]
             rest_kv = [np.concatenate([prefix_ids, o]) for o in own[1:]]
             if strategy == "ragged":
                 paged("ragged", self.variant, [first] + rest_q, [first] + rest_kv)
-                steps.append(("ragged", slice(0, total), "direct"))
+                steps.append(("ragged", slice(0, total), "direct", None))
             else:
-                paged("split0", self.variant, [first], [first])
-                steps.append(("split0", slice(0, first_suffix), "direct"))
+                contiguous("split0", self.variant, [first], [len(first)])
+                steps.append(("split0", slice(0, first_suffix), "direct", slice(0, len(first))))
                 if rest_q:
                     paged("split1", self.variant, rest_q, rest_kv)
-                    steps.append(("split1", slice(first_suffix, total), "direct"))
-        elif strategy == "cascade":
+                    steps.append(("split1", slice(first_suffix, total), "direct", None))
+        elif strategy == "cascade":  # every level reads consecutive keys: no page tables
             if p:
-                paged("prefix", self.variant, [prefix_ids], [prefix_ids])
-                steps.append(("prefix", slice(0, p), "direct"))
-            paged("unique", self.variant, own, own)
-            steps.append(("unique", slice(p, total), "unique"))
+                contiguous("prefix", self.variant, [prefix_ids], [p])
+                steps.append(("prefix", slice(0, p), "direct", slice(0, p)))
+            contiguous("unique", self.variant, own, s)
+            steps.append(("unique", slice(p, total), "unique", slice(p, total)))
             if p:
                 shared = dataclasses.replace(self.variant, mask="none")
-                paged("shared", shared, [np.arange(p, total)], [prefix_ids])
-                steps.append(("shared", slice(p, total), "shared"))
+                contiguous("shared", shared, [np.arange(p, total)], [p])
+                steps.append(("shared", slice(p, total), "shared", slice(0, p)))
         elif strategy == "multi_item":
             prefix, positions, longest = multi_item_metadata(p, s)
             rows = np.arange(p + sum(s))
-            paged("multi", dataclasses.replace(self.variant, mask="multi_item"), [rows], [rows],
-                  prefix_len=_i32([prefix]), token_pos_in_items=_i32(positions),
-                  max_item_len=_i32([longest]))
-            steps.append(("multi", slice(0, total), "direct"))
+            contiguous("multi", dataclasses.replace(self.variant, mask="multi_item"), [rows],
+                       [total], prefix_len=_i32([prefix]), token_pos_in_items=_i32(positions),
+                       max_item_len=_i32([longest]))
+            steps.append(("multi", slice(0, total), "direct", slice(0, total)))
         else:  # custom_mask
             item = np.full(total, -1)
             for i, o in enumerate(own):
@@ -263,9 +277,9 @@ class SharedPrefixPrefill:
             qi, ki = np.arange(total)[:, None], np.arange(total)[None, :]
             visible = (ki <= qi) & ((ki < p) | (item[qi] == item[ki]))
             rows = np.arange(total)
-            paged("custom", dataclasses.replace(self.variant, mask="custom"), [rows], [rows],
-                  custom_mask=torch.from_numpy(visible.reshape(-1)))
-            steps.append(("custom", slice(0, total), "direct"))
+            contiguous("custom", dataclasses.replace(self.variant, mask="custom"), [rows],
+                       [total], custom_mask=torch.from_numpy(visible.reshape(-1)))
+            steps.append(("custom", slice(0, total), "direct", slice(0, total)))
         self._steps = steps
         self._planned = dict(total=total, heads=heads, strategy=strategy)
         return strategy
@@ -282,11 +296,12 @@ class SharedPrefixPrefill:
         if q.shape[0] != total or k.shape[0] != total or v.shape[0] != total:
             raise ValueError(f"q, k, v must have {total} rows (P + sum(S_i)); got "
                              f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
-        cache = (k.unsqueeze(1), v.unsqueeze(1))  # pages of one token over the token layout
+        pages = (k.unsqueeze(1), v.unsqueeze(1))  # pages of one token over the token layout
         out = torch.empty_like(q)
         unique_lse = None
-        for name, rows, kind in self._steps:
+        for name, rows, kind, keys in self._steps:
             w = self._wrappers[name]
+            cache = pages if keys is None else (k[keys], v[keys])
             if kind == "naive":
                 gather, first, dest = rows
                 out[dest] = w.run(q[gather], cache, **params)[first]
