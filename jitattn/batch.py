@@ -292,15 +292,17 @@ class BatchPrefill:
         if self._plan is None:
             return False
         want_q, dtype, kv_dtype, page, device, max_page = self._expected
+        cuda = device >= 0  # (get_device() is -1 for CPU and for meta tensors alike)
         if not (isinstance(q, torch.Tensor) and q.shape == want_q and q.dtype == dtype and
-                q.get_device() == device and q.data_ptr() % 16 == 0):
+                (q.is_cuda if cuda else q.is_cpu) and q.get_device() == device and
+                q.data_ptr() % 16 == 0):
             return False
         s0, s1, s2 = q.stride()
         if s2 != 1 or s0 % 8 or s1 % 8:
             return False
         for c in (k_cache, v_cache):
             if not (isinstance(c, torch.Tensor) and c.shape[1:] == page and  # (and its dim)
-                    c.dtype == kv_dtype and
+                    c.dtype == kv_dtype and (c.is_cuda if cuda else c.is_cpu) and
                     c.get_device() == device and c.data_ptr() % 16 == 0 and
                     max_page < c.shape[0]):
                 return False

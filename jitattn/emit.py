@@ -40,36 +40,55 @@ def _symbols(e, memo: dict) -> frozenset:
     return memo[id(e)]
 
 
-def divisions_as_products(roots) -> list:
-    """The traced expressions with each division ``x / y`` whose divisor reads neither score
-    nor kv_idx rewritten as ``x * (1 / y)``: a constant divisor's reciprocal folded (rounded
-    to float32), any other left as a subexpression that hoist_row_invariants then computes once
-    per query row. Each (row, key) element then costs a multiply instead of a division (on the
-    GPU a reciprocal on the special-function unit, which the softmax's exp2 and tanh also use,
-    plus a correction and a slow-path test). The result differs from x / y by about one float32
-    rounding; a zero or non-finite constant divisor is left as a division."""
+# where a value only feeds arithmetic (the score), a division may round once more; below a
+# comparison, a where's condition, // or % (and in a mask) one rounding can flip a decision
+_DECIDING = {"<", "<=", ">", ">=", "==", "!=", "//", "%"}
+
+
+def _exact_reciprocal(v: float) -> bool:
+    """Whether 1 / v is exact in float32 (v a power of two, its reciprocal a normal float)."""
+    m, _ = math.frexp(v)
+    r = float(np.float32(1.0 / v))
+    return abs(m) == 0.5 and r != 0 and math.isfinite(r) and abs(r) >= 2.0 ** -126
+
+
+def divisions_as_products(score, mask) -> tuple:
+    """The traced score and mask expressions (either may be None) with divisions whose divisor
+    reads neither score nor kv_idx rewritten as ``x * (1 / y)``: a constant divisor's
+    reciprocal folded (rounded to float32), any other left as a subexpression that
+    hoist_row_invariants then computes once per query row. Each (row, key) element then costs
+    a multiply instead of a division (on the GPU a reciprocal on the special-function unit,
+    which the softmax's exp2 and tanh also use, plus a correction and a slow-path test).
+    The result differs from x / y by at most about 1.5 float32 roundings, so the rewrite is
+    made only where the value feeds arithmetic: not in the mask, nor below a comparison, a
+    where's condition, // or % (where one rounding could decide whether a key is seen),
+    except for power-of-two constants, whose reciprocal is exact. A zero or non-finite
+    constant divisor is left as a division."""
     memo, sym_memo = {}, {}
 
-    def rewrite(e):
+    def rewrite(e, smooth):
         if not hasattr(e, "op"):
             return e
-        if id(e) in memo:
-            return memo[id(e)]
-        args = tuple(rewrite(y) for y in e.args)
+        if (id(e), smooth) in memo:
+            return memo[id(e), smooth]
+        deciding = e.op in _DECIDING
+        args = tuple(rewrite(y, smooth and not deciding and not (e.op == "where" and i == 0))
+                     for i, y in enumerate(e.args))
         out = e if all(x is y for x, y in zip(args, e.args)) else type(e)(e.op, args, e.kind)
         if e.op == "/" and _symbols(args[1], sym_memo) <= ROW_SYMBOLS:
             num, den = args
             if den.op == "const":
                 v = float(den.args[0])
-                if v != 0 and math.isfinite(v) and math.isfinite(float(np.float32(1.0 / v))):
-                    recip = type(e)("const", (float(np.float32(1.0 / v)),), "float")
-                    out = type(e)("*", (num, recip), "float")
-            else:
+                r = float(np.float32(1.0 / v)) if v != 0 and math.isfinite(v) else 0.0
+                if r != 0 and math.isfinite(r) and (smooth or _exact_reciprocal(v)):
+                    out = type(e)("*", (num, type(e)("const", (r,), "float")), "float")
+            elif smooth:
                 one = type(e)("const", (1.0,), "float")
                 out = type(e)("*", (num, type(e)("/", (one, den), "float")), "float")
-        memo[id(e)] = out
+        memo[id(e), smooth] = out
         return out
-    return [rewrite(r) for r in roots]
+    return (None if score is None else rewrite(score, True),
+            None if mask is None else rewrite(mask, False))
 
 
 def hoist_row_invariants(roots) -> tuple[list, dict]:

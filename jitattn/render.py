@@ -177,7 +177,8 @@ def render_variant(variant: Variant, *, backend: str, head_dim: int) -> str:
     rope = variant.pos_encoding
     freqs = [repr(float(f)) + "f" for f in rope.inv_freq(head_dim)] if rope else ["0.0f"]
     score, mask = emit.divisions_as_products(
-        [t.expr if t is not None else None for t in (variant.score, variant.mask_pred)])
+        variant.score.expr if variant.score else None,
+        variant.mask_pred.expr if variant.mask_pred else None)
     row_fields, hoisted = emit.hoist_row_invariants([t for t in (score, mask) if t is not None])
     return _environment().get_template("common/variant.h.j2").render(
         variant=variant, version=__version__, param_fields=decls,

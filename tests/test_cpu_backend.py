@@ -49,6 +49,13 @@ def test_divisions_match_the_reference():
         cap * ja.tanh(s / cap) + 30.0 * ja.tanh(s / 30.0) + s / (h + 2) + 3.0 / (kv + 1.0)))
     q, k, v, qo, kv = make_batch([3, 50], [60, 50], 8, 2, 64, torch.float16, "cpu", seed=9)
     check(variant, {"cap": 7.0}, q, k, v, qo, kv)
+    # where a division decides visibility it stays exact: kv / (q + 1) < 1 is kv <= q, and
+    # 41 * fl(1 / 41) < 1 in float32 would let key 41 through
+    for mask_mod in (lambda b, h, q, kv: kv / (q + 1) < 1.0, lambda b, h, q, kv: kv / 41.0 < 1.0):
+        check(ja.Variant("decides", mask="none", mask_mod=mask_mod), {}, q, k, v, qo, kv)
+    in_score = ja.Variant("decides_in_score", mask="none", score_mod=lambda s, b, h, q, kv:
+                          ja.where(kv / 41.0 < 1.0, s / 41.0, -float("inf")))
+    check(in_score, {}, q, k, v, qo, kv)
 
 
 def test_fully_masked_rows_give_zero_and_minus_inf():
