@@ -162,24 +162,32 @@ class SharedPrefixPrefill:
                 return measured
         group = num_qo_heads // max(1, num_kv_heads)
         tile_rows = tiles_for("prefill", head_dim).rows_per_cta("prefill")
-        if prefix_len >= 1024 and m >= 8 and longest * group <= tile_rows // 2 and \
-                not features - ALLOWED["cascade"]:
-            return "cascade"
-        return "ragged" if not features - ALLOWED["ragged"] else "naive"
+        order = ["ragged", "naive", "cascade"]  # the rule's preference, exact ones only
+        if prefix_len >= 1024 and m >= 8 and longest * group <= tile_rows // 2:
+            order.insert(0, "cascade")
+        exact = [s for s in dict.fromkeys(order) if not features - ALLOWED[s]]
+        # the first that fits the capacities (else the first: its plan() names the capacity)
+        return next((s for s in exact if self._fits(s, prefix_len, suffix_lens)), exact[0])
 
     def _fits(self, strategy: str, prefix_len: int, suffix_lens) -> bool:
         """Whether ``strategy``'s plans fit the capacities given to the constructor (or
-        BatchPrefill's defaults): the dense mask of custom_mask, the item positions of
-        multi_item, the repeated prefix pages of naive and ragged."""
+        BatchPrefill's defaults) that plan() can foresee: requests per launch, the one-token
+        pages of the paged launches (naive, ragged, split's second), the dense mask of
+        custom_mask, the item positions of multi_item. (Work items and partial rows depend on
+        the schedule; plan() checks them.)"""
         def cap(name):
             return self._capacities.get(name, _CAPACITY_DEFAULTS[name])
-        total, suffixes = prefix_len + sum(suffix_lens), sum(suffix_lens)
+        m, p, suffixes = len(suffix_lens), prefix_len, sum(suffix_lens)
+        batch, pages = {"naive": (m, m * p + suffixes), "ragged": (m, m * p + suffixes),
+                        "split": (max(1, m - 1), max(p + suffix_lens[0],
+                                                     (m - 1) * p + suffixes - suffix_lens[0])),
+                        "cascade": (m, max(p, suffixes))}.get(strategy, (1, p + suffixes))
+        if batch > cap("max_batch_size") or pages > cap("max_num_pages"):
+            return False
         if strategy == "custom_mask":
-            return -(-total * total // 8) <= cap("max_mask_bytes")
+            return -(-(p + suffixes) ** 2 // 8) <= cap("max_mask_bytes")
         if strategy == "multi_item":
             return suffixes <= cap("max_item_tokens")
-        if strategy in ("naive", "ragged"):
-            return len(suffix_lens) * prefix_len + suffixes <= cap("max_num_pages")
         return True
 
     def plan(self, prefix_len: int, suffix_lens, num_qo_heads: int, num_kv_heads: int,

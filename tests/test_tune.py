@@ -79,3 +79,13 @@ def test_a_table_speaks_only_near_its_cells_and_within_capacities(fresh_tables):
                                 max_mask_bytes=1 << 21)
     assert small.choose(8196, [4] * 32, 16, 8, 128) == "ragged"
     small.plan(8196, [4] * 32, 16, 8, 128)  # plans, where custom_mask would have raised
+    # without a table, the rule's choice must fit too: ragged and naive would list 3616
+    # one-token pages, the cascade at most 900 per launch
+    tune.table_path("cpu").unlink()
+    tune.load.cache_clear()
+    few_pages = SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu",
+                                    max_num_pages=1000)
+    assert few_pages.choose(900, [4] * 4, 16, 8, 128) == "cascade"
+    assert SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu").choose(
+        900, [4] * 4, 16, 8, 128) == "ragged"
+    few_pages.plan(900, [4] * 4, 16, 8, 128)
