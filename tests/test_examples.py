@@ -14,6 +14,7 @@ REQUIRES = {"06_minilm_embeddings": "sentence_transformers",
             "07_llama_shared_prefix": "transformers"}
 # what an example must print besides exiting 0: its checks ran
 PRINTS = {"06_minilm_embeddings": ["min cosine"],
+          "08_beam_search_cascade": ["layer 1: 8 beams, max |cascade - each beam alone|"],
           "07_llama_shared_prefix": ["SharedPrefixPrefill chose '",
                                      "item logits: max |jitattn - eager|",
                                      "CascadeDecode", "step logits: max |jitattn - eager|"]}
