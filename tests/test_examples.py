@@ -1,4 +1,5 @@
-"""The numbered examples run and pass their own checks (on the CPU backend here)."""
+"""The README's main job (examples/quickstart.py) and the numbered examples run and pass their
+own checks (on the CPU backend here)."""
 
 import importlib.util
 import os
@@ -8,12 +9,15 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = sorted(p for p in (Path(__file__).parent.parent / "examples").glob("0*.py"))
+# the README's main job first, then the numbered examples
+EXAMPLES = [Path(__file__).parent.parent / "examples" / "quickstart.py"] + \
+    sorted(p for p in (Path(__file__).parent.parent / "examples").glob("0*.py"))
 # optional packages an example needs (the "test" extra installs them)
 REQUIRES = {"06_minilm_embeddings": "sentence_transformers",
             "07_llama_shared_prefix": "transformers"}
 # what an example must print besides exiting 0: its checks ran
-PRINTS = {"06_minilm_embeddings": ["min cosine"],
+PRINTS = {"quickstart": ["against the float64 reference: OK", "the second process compiled"],
+          "06_minilm_embeddings": ["min cosine"],
           "08_beam_search_cascade": ["layer 1: 8 beams, max |cascade - each beam alone|"],
           "07_llama_shared_prefix": ["SharedPrefixPrefill chose '",
                                      "item logits: max |jitattn - eager|",
