@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import dtypes, launch, ops, render
+from .plan import check_seq_lens
 from .render import HEAD_DIMS
 from .spec import Variant
 
@@ -135,6 +136,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     qo_lens = [qo_host[i + 1] - qo_host[i] for i in range(batch)]
     kv_lens = [kv_host[i + 1] - kv_host[i] for i in range(batch)]
     max_qo, max_kv = max(qo_lens, default=0), max(kv_lens, default=0)
+    check_seq_lens(max_qo, max_kv)
     sizes = dict(batch_size=batch, num_qo_heads=hq, num_kv_heads=hkv, qo_len=max_qo,
                  kv_len=max_kv)
     bound = variant.bind(params, device=q.device, sizes=sizes)

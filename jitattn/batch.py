@@ -22,7 +22,7 @@ import torch
 
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
-from .plan import Plan, make_plan
+from .plan import Plan, check_seq_lens, make_plan
 from .render import HEAD_DIMS, QUERY_TILES, query_kind, tiles_for
 from .spec import Variant
 from .workspace import Workspace
@@ -198,6 +198,7 @@ class BatchPrefill:
                              f"{cap['max_num_pages']} given to the constructor")
         kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
         qo_lens = np.diff(qo)
+        check_seq_lens(int(qo_lens.max(initial=0)), int(kv_lens.max(initial=0)))
         mask = masks_mod.mask_arrays(self.variant.mask, masks or {}, qo_lens, kv_lens,
                                      self.capacity)
         kernel_kind = self._kernel_kind(int(qo_lens.max(initial=0)),

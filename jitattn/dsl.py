@@ -278,9 +278,11 @@ exp, log, sigmoid = (_float_fn(n) for n in ("exp", "log", "sigmoid"))
 
 
 def tanh(x, approx: bool = False) -> Expr:
-    """Traced elementwise tanh (float32 in the kernels). approx=True lets the CUDA kernels use
-    the hardware approximation (PTX tanh.approx.f32, relative error about 2^-11) instead of the
-    exact tanhf; the CPU backend and the reference stay exact."""
+    """Traced elementwise tanh (float32 in the kernels). The CUDA kernels compute
+    1 - 2 / (1 + e^(2x)) on the special-function unit's ex2 and rcp: absolute error below 5e-7
+    (tanhf's is about 1 ulp; five instructions against about 19). approx=True uses the hardware
+    tanh instead (PTX tanh.approx.f32, relative error about 2^-11). The CPU backend and the
+    reference run tanhf either way."""
     return Expr("tanh_approx" if approx else "tanh", (_lift(x),), "float")
 
 

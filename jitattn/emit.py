@@ -1,6 +1,8 @@
 """Traced expressions (dsl.Expr) -> C++ expressions for the generated Variant struct.
 
-Integer symbols are widened to 64 bits; Python's // and % become ja_floordiv / ja_mod (floor
+Integer arithmetic runs in 32 bits where interval arithmetic proves every intermediate value
+fits (int_range), else in 64 bits: Python's ints never overflow, and neither does the
+generated code. Python's // and % become ja_floordiv / ja_mod (floor
 semantics, 0 on division by zero); parameters are read through a struct ``p`` under prefixed
 names (c_name) so that they never meet generated identifiers; tensor indices are clamped with
 ja_clampi. The helpers live in templates/common/jitattn_math.h.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 
 def c_name(name: str) -> str:
@@ -30,6 +33,67 @@ _CPP_FN = {"tanh": "ja_tanh", "tanh_approx": "ja_tanh_approx", "exp": "ja_exp", 
 
 ROW_SYMBOLS = frozenset({"b", "h", "q_idx"})
 _CTYPE = {"float": "float", "int": "long long", "bool": "bool"}
+
+# The generated code's contract with the planners, which reject longer requests: q_len and
+# kv_len below MAX_SEQ_LEN, so kv_idx lies in [0, MAX_SEQ_LEN) and q_idx (kv_len - q_len + the
+# query's index) in (-MAX_SEQ_LEN, MAX_SEQ_LEN); b and h are non-negative ints.
+MAX_SEQ_LEN = 1 << 30
+_SYMBOL_RANGE = {"q_idx": (1 - MAX_SEQ_LEN, MAX_SEQ_LEN - 1), "kv_idx": (0, MAX_SEQ_LEN - 1),
+                 "b": (0, (1 << 31) - 1), "h": (0, (1 << 31) - 1)}
+_I32 = (-(1 << 31), (1 << 31) - 1)
+_NARROW_OPS = {"const", "sym", "index", "neg", "+", "-", "*", "abs", "min", "max", "where"}
+
+
+def int_range(e) -> tuple[int, int] | None:
+    """(lowest, highest) value of an int expression by interval arithmetic over the symbols'
+    ranges (_SYMBOL_RANGE), int constants and int32 tensor reads; None where not known (other
+    ops, int64 tensors, non-int expressions)."""
+    if getattr(e, "kind", None) != "int":
+        return None
+    op, a = e.op, e.args
+    if op == "const":
+        return (a[0], a[0])
+    if op == "sym":
+        return _SYMBOL_RANGE[a[0]]
+    if op == "index":
+        return (-(1 << 31), (1 << 31) - 1) if a[0].dtype == torch.int32 else None
+    if op in ("neg", "abs"):
+        r = int_range(a[0])
+        if r is None:
+            return None
+        if op == "neg":
+            return (-r[1], -r[0])
+        return (max(r[0], -r[1], 0), max(-r[0], r[1]))
+    if op in ("+", "-", "*", "min", "max", "where"):
+        x, y = int_range(a[-2]), int_range(a[-1])  # (where: the two values)
+        if x is None or y is None:
+            return None
+        if op in ("min", "max", "where"):
+            if op == "where":
+                return (min(x[0], y[0]), max(x[1], y[1]))
+            f = min if op == "min" else max
+            return (f(x[0], y[0]), f(x[1], y[1]))
+        if op == "+":
+            return (x[0] + y[0], x[1] + y[1])
+        if op == "-":
+            return (x[0] - y[1], x[1] - y[0])
+        products = [u * w for u in x for w in y]
+        return (min(products), max(products))
+    return None
+
+
+def narrow(e) -> bool:
+    """Whether an int expression is emitted in 32 bits: its own value and every int operand
+    below it provably fit in int32 (a 64-bit I2F per score costs the GPU's conversion unit,
+    and 64-bit adds take two instructions each: ALiBi's kv_idx - q_idx, session 7)."""
+    if getattr(e, "kind", None) != "int" or e.op not in _NARROW_OPS:
+        return False
+    r = int_range(e)
+    if r is None or r[0] < _I32[0] or r[1] > _I32[1]:
+        return False
+    if e.op in ("const", "sym", "index"):
+        return True
+    return all(narrow(y) for y in (e.args[1:] if e.op == "where" else e.args))
 
 
 def _symbols(e, memo: dict) -> frozenset:
@@ -106,7 +170,7 @@ def hoist_row_invariants(roots) -> tuple[list, dict]:
             cpp = emit_cpp(e)
             if cpp not in by_cpp:
                 by_cpp[cpp] = f"row.r{len(fields)}"
-                fields.append((_CTYPE[e.kind], f"r{len(fields)}", cpp))
+                fields.append(("int" if narrow(e) else _CTYPE[e.kind], f"r{len(fields)}", cpp))
             hoisted[id(e)] = by_cpp[cpp]
             return
         for y in e.args:
@@ -127,9 +191,11 @@ def emit_cpp(e, hoisted: dict | None = None) -> str:
         v = a[0]
         if isinstance(v, bool):
             return "true" if v else "false"
-        return f"({v}LL)" if isinstance(v, int) else _float_literal(v)
-    if op == "sym":  # integer symbols are widened: index arithmetic runs in 64 bits
-        return "score" if a[0] == "score" else f"((long long){a[0]})"
+        if isinstance(v, int):
+            return f"({v})" if narrow(e) else f"({v}LL)"
+        return _float_literal(v)
+    if op == "sym":  # int symbols (32-bit in the kernels) are widened unless narrow
+        return a[0] if a[0] == "score" or narrow(e) else f"((long long){a[0]})"
     if op == "scalar":
         return f"p.{c_name(a[0].name)}"
     if op == "index":
@@ -139,9 +205,13 @@ def emit_cpp(e, hoisted: dict | None = None) -> str:
             lin = (f"({lin} * (long long)p.{t}_d{i} + "
                    f"ja_clampi({emit_cpp(idx[i], hoisted)}, p.{t}_d{i}))")
         read = f"p.{t}[{lin}]"
-        return {"float": f"ja_to_float({read})", "int": f"((long long){read})",
-                "bool": f"({read} != 0)"}[e.kind]
+        int_read = f"((int){read})" if narrow(e) else f"((long long){read})"
+        return {"float": f"ja_to_float({read})", "int": int_read, "bool": f"({read} != 0)"}[e.kind]
     x = [emit_cpp(y, hoisted) for y in a]
+    if e.kind == "int" and not narrow(e):  # 64-bit arithmetic: 32-bit and bool operands
+        x = [(f"({y.args[0]}LL)" if y.op == "const" and y.kind == "int" else f"((long long){c})")
+             if (narrow(y) or y.kind == "bool") and (i > 0 or op != "where") else c
+             for i, (c, y) in enumerate(zip(x, a))]
     if op == "neg":
         return f"(-{x[0]})"
     if op == "~":

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .emit import MAX_SEQ_LEN
+
 KV_TILE = 64          # keys per K/V tile by default (make_plan's kv_tile: the kernel's)
 ITEM_FIELDS = 8       # int32 per work item on the device
 FILL_MARGIN = 0.08    # the linear partition (_fill) cuts more spans than longest-first placement,
@@ -275,6 +277,16 @@ def _assign(costs: np.ndarray, num_ctas: int):
     rank = np.empty(len(costs), dtype=np.int64)
     rank[order] = np.arange(len(costs))
     return cta, rank, float(loads.max(initial=0.0))
+
+
+def check_seq_lens(max_qo_len: int, max_kv_len: int) -> None:
+    """Raises ValueError when a request has MAX_SEQ_LEN (2**30) or more query or key tokens:
+    the generated variant code computes positions in 32 bits where that bound proves it safe
+    (emit.int_range)."""
+    for name, n in (("query", max_qo_len), ("key", max_kv_len)):
+        if n >= MAX_SEQ_LEN:
+            raise ValueError(f"a request has {n} {name} tokens; expected fewer than "
+                             f"{MAX_SEQ_LEN} (2**30) per request")
 
 
 def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: int,

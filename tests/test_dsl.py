@@ -30,7 +30,7 @@ def test_scalar_and_tensor_params_are_collected_once():
     t = trace_score(mod)
     names = [p.name for p in dsl.params_of(t.expr)]
     assert names == ["cap", "slopes"]
-    assert "ja_clampi(((long long)h), p.jap_slopes_d0)" in t.cpp
+    assert "ja_clampi(h, p.jap_slopes_d0)" in t.cpp
 
 
 def test_python_semantics_of_floordiv_and_mod_match_in_cpp_and_torch():
@@ -153,10 +153,20 @@ def test_int_expressions_are_64_bit_in_cpp_and_torch():
     def mod(score, b, h, q_idx, kv_idx):
         return score + ((q_idx + 100000) * (kv_idx + 100000)) % 7
     t = trace_score(mod)
-    assert "(long long)q_idx" in t.cpp and "(100000LL)" in t.cpp
+    # the sums fit in 32 bits, their product does not: widened before the multiply
+    assert "(((long long)(q_idx + (100000))) * ((long long)(kv_idx + (100000))))" in t.cpp
     env = dict(score=torch.zeros(1, dtype=torch.float64), b=0, h=0, q_idx=torch.tensor([5]),
                kv_idx=torch.tensor([9]))
     assert float(evaluate(t.expr, env, {})) == float((100005 * 100009) % 7)
+
+
+def test_alibi_positions_are_32_bit():
+    """ALiBi's kv_idx - q_idx fits in int32 for every position the planners accept: no 64-bit
+    subtraction or conversion per score."""
+    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
+    t = trace_score(lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx))
+    assert "long long" not in t.cpp
+    assert "(kv_idx - q_idx)" in t.cpp
 
 
 def test_tanh_approx_is_its_own_op_and_exact_on_the_cpu():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import jitattn as ja
-from jitattn import catalog, reference
+from jitattn import catalog, env, reference
 
 from helpers import check, every_feature_variant, make_batch
 
@@ -73,6 +73,29 @@ def test_runs_on_current_stream():
         out = ja.attention(q, k, v, variant)
     s.synchronize()
     torch.testing.assert_close(out, ja.attention(q, k, v, variant))
+
+
+def test_gpu_tanh_is_within_its_documented_bound():
+    """ja_tanh in the CUDA kernels (1 - 2 / (1 + e^(2x)) on ex2 and rcp): absolute error below
+    5e-7 against float64 tanh over [-40, 40], and the limits at +-inf exact."""
+    cupy = pytest.importorskip("cupy")
+    src = ('#include "jitattn_math.h"\n'
+           'extern "C" __global__ void f(const float* x, float* y, int n) {\n'
+           '  const int i = blockIdx.x * blockDim.x + threadIdx.x;\n'
+           '  if (i < n) y[i] = ja_tanh(x[i]);\n}\n')
+    kernel = cupy.RawKernel(src, "f", options=(f"-I{env.templates_dir() / 'common'}",))
+    inf = float("inf")
+    x = torch.cat([torch.linspace(-40, 40, (1 << 22) + 1, device="cuda"),
+                   torch.randn(1 << 20, device="cuda") * 1e-3,
+                   torch.tensor([inf, -inf, 0.0, 1e-30, -1e-30], device="cuda")])
+    y = torch.empty_like(x)
+    n = x.numel()
+    torch.cuda.synchronize()
+    kernel(((n + 255) // 256,), (256,), (cupy.asarray(x), cupy.asarray(y), cupy.int32(n)))
+    cupy.cuda.Device().synchronize()
+    err = (y.double() - torch.tanh(x.double())).abs()
+    assert not y.isnan().any() and err.max().item() < 5e-7, err.max().item()
+    assert y[-5].item() == 1.0 and y[-4].item() == -1.0
 
 
 def test_approximate_soft_cap_is_close_and_only_where_asked():

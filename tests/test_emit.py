@@ -1,0 +1,128 @@
+"""Integer width in the emitted C++: expressions run in 32 bits only where interval arithmetic
+proves they fit (emit.narrow), so random int expressions compiled with the host C++ compiler
+give Python's exact values at the corners of the symbols' ranges."""
+
+import itertools
+import random
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import jitattn as ja
+from jitattn import dsl, emit, env
+
+CORNERS = dict(b=(0, 5, 2**31 - 1), h=(0, 3, 2**31 - 1),
+               q_idx=(1 - emit.MAX_SEQ_LEN, -1, 0, 7, emit.MAX_SEQ_LEN - 1),
+               kv_idx=(0, 5, emit.MAX_SEQ_LEN - 1))
+CONSTS = (0, 1, -1, 3, 1000, 2**20, 2**30, -(2**31), 2**31 - 1, 2**33)
+LIMIT = 2**62  # expressions whose values could leave int64 are not generated
+
+
+def _value(e, env, seen):
+    """Python's exact value of an int (or bool) expression; records each node's magnitude."""
+    op, a = e.op, e.args
+    if op == "const":
+        v = a[0]
+    elif op == "sym":
+        v = env[a[0]]
+    elif op == "neg":
+        v = -_value(a[0], env, seen)
+    elif op == "abs":
+        v = abs(_value(a[0], env, seen))
+    elif op == "where":
+        v = _value(a[1], env, seen) if _value(a[0], env, seen) else _value(a[2], env, seen)
+    else:
+        x, y = _value(a[0], env, seen), _value(a[1], env, seen)
+        v = {"+": x + y, "-": x - y, "*": x * y, "min": min(x, y), "max": max(x, y),
+             ">": x > y}[op]
+    seen.append(abs(int(v)))
+    return v
+
+
+def _random_expr(rng, syms, depth):
+    if depth == 0 or rng.random() < 0.25:
+        return syms[rng.choice(list(syms))] if rng.random() < 0.7 else rng.choice(CONSTS)
+    kind = rng.choice(("+", "-", "*", "neg", "abs", "min", "max", "where"))
+    x, y = _random_expr(rng, syms, depth - 1), _random_expr(rng, syms, depth - 1)
+    if kind == "neg":
+        return -dsl._lift(x)
+    if kind == "abs":
+        return ja.abs(x)
+    if kind in ("min", "max"):
+        return (ja.minimum if kind == "min" else ja.maximum)(x, y)
+    if kind == "where":
+        return ja.where(syms["kv_idx"] > syms["q_idx"], x, y)
+    return {"+": lambda: dsl._lift(x) + y, "-": lambda: dsl._lift(x) - y,
+            "*": lambda: dsl._lift(x) * y}[kind]()
+
+
+def _expressions(n, seed=0):
+    """n random int expressions (as traced nodes) whose every node stays within LIMIT at every
+    corner, with the symbols as the DSL traces them."""
+    rng, found = random.Random(seed), []
+    points = [dict(zip(CORNERS, p)) for p in itertools.product(*CORNERS.values())]
+    while len(found) < n:
+        holder = []
+
+        def mod(b, h, q_idx, kv_idx):
+            e = dsl._lift(_random_expr(rng, dict(b=b, h=h, q_idx=q_idx, kv_idx=kv_idx), 4))
+            holder.append(e)
+            return e == e
+        dsl.trace(mod, "mask_mod")
+        e = holder[0]
+        if e.kind != "int":
+            continue
+        seen = []
+        values = [_value(e, p, seen) for p in points]
+        if max(seen) < LIMIT:
+            found.append((e, values))
+    return points, found
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_random_int_expressions_are_exact_in_cpp(tmp_path):
+    points, found = _expressions(300)
+    lines = [f'#include "{env.templates_dir() / "common" / "jitattn_math.h"}"', "#include <cstdio>",
+             "int main() {"]
+    for p in points:
+        sym = ", ".join(f"{k} = {v}" for k, v in p.items())
+        lines.append(f"  {{ const int {sym};")
+        lines += [f'    std::printf("%lld\\n", (long long){emit.emit_cpp(e)});' for e, _ in found]
+        lines.append("  }")
+    lines.append("}")
+    src = tmp_path / "ints.cpp"
+    src.write_text("\n".join(lines))
+    subprocess.run(["g++", "-O1", "-std=c++17", "-fsanitize=signed-integer-overflow",
+                    "-fno-sanitize-recover=all", "-o", str(tmp_path / "ints"), str(src)],
+                   check=True)
+    got = subprocess.run([str(tmp_path / "ints")], check=True, capture_output=True,
+                         text=True).stdout.split()
+    want = [str(int(values[i])) for i in range(len(points)) for _, values in found]
+    bad = [(emit.emit_cpp(found[k % len(found)][0]), points[k // len(found)], w, g)
+           for k, (w, g) in enumerate(zip(want, got)) if w != g]
+    assert not bad, bad[:3]
+    narrow = sum(emit.narrow(e) for e, _ in found)
+    assert 30 < narrow < len(found) - 30  # both widths exercised
+
+
+def test_int_range_of_alibi_and_of_a_square():
+    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
+    alibi = dsl.trace(lambda s, b, h, q, k: s + slopes[h] * (k - q), "score_mod").expr
+    diff = alibi.args[1].args[1]
+    assert emit.int_range(diff) == (1 - emit.MAX_SEQ_LEN, 2 * emit.MAX_SEQ_LEN - 2)
+    assert emit.narrow(diff)
+    square = dsl.trace(lambda s, b, h, q, k: s + k * k, "score_mod").expr.args[1]
+    assert not emit.narrow(square) and "((long long)kv_idx) * ((long long)kv_idx)" in \
+        emit.emit_cpp(square)
+
+
+def test_planners_reject_requests_past_the_position_bound():
+    i32 = dict(dtype=torch.int32)
+    v = ja.Variant("causal", mask="causal")
+    pages = 2**14  # of 2**16 tokens: 2**30 + 1 keys on one request
+    with pytest.raises(ValueError, match=r"2\*\*30"):
+        ja.BatchPrefill(v, page_size=2**16, device="cpu", max_num_pages=pages + 1).plan(
+            torch.tensor([0, 1], **i32), torch.tensor([0, pages + 1], **i32),
+            torch.arange(pages + 1, **i32), torch.tensor([1], **i32), 1, 1, 64)
