@@ -1,7 +1,7 @@
 """``jitattn tune``: measure every shared-prefix strategy on this device over a grid of
 (prefix P, suffix S, requests M) and store the table beside the kernel cache; the strategy
 "auto" of SharedPrefixPrefill then takes, per batch, the fastest exact strategy that fits the
-wrapper's capacities at the nearest measured cell (nearest in log2 of P + 1, S and M, and no
+wrapper's capacities (the simplest of those within TIE of the fastest) at the nearest measured cell (nearest in log2 of P + 1, S and M, and no
 further than MAX_LOG2_DISTANCE along any), for the head configuration the table was measured
 with. Without such a cell, "auto" applies the rule in SharedPrefixPrefill.choose.
 
@@ -68,6 +68,12 @@ def save(table: dict) -> Path:
 # measured cells has one, while a batch far outside the table (or a --quick table's two tiny
 # cells) gets the rule instead
 MAX_LOG2_DISTANCE = 1.5
+# strategies measured within TIE of the fastest count as equal: the first of SIMPLEST_FIRST
+# among them wins (fewest launches and no mask data first). At cells of 0.1 ms, host-bound,
+# the table's own noise is that large: at P96 S256 M2 a table measured custom_mask fastest
+# while the benchmark minutes later had it 13% behind ragged (H200, session 7)
+TIE = 0.03
+SIMPLEST_FIRST = ("ragged", "split", "cascade", "multi_item", "custom_mask", "naive")
 
 
 def lookup(table: dict, prefix_len: int, suffix_len: int, requests: int, allowed) -> str | None:
@@ -82,7 +88,11 @@ def lookup(table: dict, prefix_len: int, suffix_len: int, requests: int, allowed
     if not cells:
         return None
     ms = min(cells, key=lambda c: sum(x * x for x in offsets(c)))["ms"]
-    return min((s for s in allowed if s in ms), key=lambda s: ms[s])
+    measured = [s for s in allowed if s in ms]
+    fastest = min(ms[s] for s in measured)
+    return min((s for s in measured if ms[s] <= fastest * (1 + TIE)),
+               key=lambda s: (SIMPLEST_FIRST.index(s) if s in SIMPLEST_FIRST
+                              else len(SIMPLEST_FIRST), ms[s]))
 
 
 def measure(device, *, quick: bool = False, num_qo_heads: int = 16, num_kv_heads: int = 8,
@@ -107,7 +117,7 @@ def measure(device, *, quick: bool = False, num_qo_heads: int = 16, num_kv_heads
             sp = SharedPrefixPrefill(variant, strategy, device=device, **bench_shared.CAPACITIES)
             sp.plan(p, [s] * m, num_qo_heads, num_kv_heads, head_dim, q_dtype=dtype)
             fns[strategy] = functools.partial(sp.run, q, k, v)
-        times = bench.timed_rounds(fns, rounds=1 if quick else 3, reps=reps, warmup=1,
+        times = bench.timed_rounds(fns, rounds=1 if quick else 5, reps=reps, warmup=1,
                                    device=device.type, inner=3)
         rows.append({"prefix": p, "suffix": s, "requests": m, "ms": times})
     return {"device": device_key(device), "num_qo_heads": num_qo_heads,
