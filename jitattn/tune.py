@@ -71,7 +71,7 @@ MAX_LOG2_DISTANCE = 1.5
 # strategies measured within TIE of the fastest count as equal: the first of SIMPLEST_FIRST
 # among them wins (fewest launches and no mask data first). At cells of 0.1 ms, host-bound,
 # the table's own noise is that large: at P96 S256 M2 a table measured custom_mask fastest
-# while the benchmark minutes later had it 13% behind ragged (H200, session 7)
+# while the benchmark minutes later had it 12% behind ragged (H200, session 7)
 TIE = 0.03
 SIMPLEST_FIRST = ("ragged", "split", "cascade", "multi_item", "custom_mask", "naive")
 
