@@ -77,6 +77,14 @@ def test_scales_belong_to_the_batch_wrappers_and_compile_checks_parameters():
     cascade = ja.CascadeDecode(ja.Variant("c", mask="causal"), page_size=16, device="cpu")
     with pytest.raises(ValueError, match="takes no k_scale"):
         cascade.run(torch.zeros(1, 4, 64, dtype=torch.float16), None, k_scale=0.5)
+    i32 = dict(dtype=torch.int32)  # planned, with plain decode chosen: the same refusal
+    plain = ja.CascadeDecode(ja.Variant("c", mask="causal"), page_size=16, device="cpu",
+                             strategy="plain")
+    plain.plan(torch.arange(2, **i32), 16, torch.tensor([0, 1], **i32),
+               torch.tensor([2], **i32), torch.tensor([16], **i32), 4, 4, 64)
+    cache16 = tuple(torch.randn(3, 16, 4, 64, dtype=torch.float16) for _ in range(2))
+    with pytest.raises(ValueError, match="takes no k_scale"):
+        plain.run(torch.zeros(1, 4, 64, dtype=torch.float16), cache16, k_scale=0.5)
     shared = ja.SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu")
     with pytest.raises(ValueError, match="takes no v_scale"):
         shared.run(*(torch.zeros(1, 4, 64, dtype=torch.float16),) * 3, v_scale=2.0)
