@@ -35,10 +35,14 @@ ROW_SYMBOLS = frozenset({"b", "h", "q_idx"})
 _CTYPE = {"float": "float", "int": "long long", "bool": "bool"}
 
 # The generated code's contract with the planners, which reject longer requests: q_len and
-# kv_len below MAX_SEQ_LEN, so kv_idx lies in [0, MAX_SEQ_LEN) and q_idx (kv_len - q_len + the
-# query's index) in (-MAX_SEQ_LEN, MAX_SEQ_LEN); b and h are non-negative ints.
-MAX_SEQ_LEN = 1 << 30
-_SYMBOL_RANGE = {"q_idx": (1 - MAX_SEQ_LEN, MAX_SEQ_LEN - 1), "kv_idx": (0, MAX_SEQ_LEN - 1),
+# kv_len below MAX_SEQ_LEN. The CUDA kernels also evaluate the mods on a tile's lanes past the
+# end (keys up to one K/V tile beyond kv_len, padding rows up to one row tile beyond q_len;
+# their results are discarded), so the symbols' ranges carry POSITION_MARGIN more: kv_idx in
+# [0, 2**30), q_idx (kv_len - q_len + the query's index) in (-MAX_SEQ_LEN, 2**30); b and h are
+# non-negative ints.
+POSITION_MARGIN = 1 << 10  # > the largest K/V tile and row tile (128)
+MAX_SEQ_LEN = (1 << 30) - POSITION_MARGIN
+_SYMBOL_RANGE = {"q_idx": (1 - MAX_SEQ_LEN, (1 << 30) - 1), "kv_idx": (0, (1 << 30) - 1),
                  "b": (0, (1 << 31) - 1), "h": (0, (1 << 31) - 1)}
 _I32 = (-(1 << 31), (1 << 31) - 1)
 _NARROW_OPS = {"const", "sym", "index", "neg", "+", "-", "*", "abs", "min", "max", "where"}
@@ -191,8 +195,10 @@ def emit_cpp(e, hoisted: dict | None = None) -> str:
         v = a[0]
         if isinstance(v, bool):
             return "true" if v else "false"
-        if isinstance(v, int):
-            return f"({v})" if narrow(e) else f"({v}LL)"
+        if isinstance(v, int):  # (-2**31 as a literal would be a long: ambiguous overloads)
+            if narrow(e):
+                return "(-2147483647 - 1)" if v == -(1 << 31) else f"({v})"
+            return f"({v}LL)"
         return _float_literal(v)
     if op == "sym":  # int symbols (32-bit in the kernels) are widened unless narrow
         return a[0] if a[0] == "score" or narrow(e) else f"((long long){a[0]})"

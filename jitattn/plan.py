@@ -280,13 +280,13 @@ def _assign(costs: np.ndarray, num_ctas: int):
 
 
 def check_seq_lens(max_qo_len: int, max_kv_len: int) -> None:
-    """Raises ValueError when a request has MAX_SEQ_LEN (2**30) or more query or key tokens:
-    the generated variant code computes positions in 32 bits where that bound proves it safe
-    (emit.int_range)."""
+    """Raises ValueError when a request has MAX_SEQ_LEN (2**30 - 1024) or more query or key
+    tokens: the generated variant code computes positions in 32 bits where that bound proves it
+    safe (emit.int_range)."""
     for name, n in (("query", max_qo_len), ("key", max_kv_len)):
         if n >= MAX_SEQ_LEN:
             raise ValueError(f"a request has {n} {name} tokens; expected fewer than "
-                             f"{MAX_SEQ_LEN} (2**30) per request")
+                             f"{MAX_SEQ_LEN} (2**30 - 1024) per request")
 
 
 def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: int,

@@ -13,9 +13,9 @@ import torch
 import jitattn as ja
 from jitattn import dsl, emit, env
 
-CORNERS = dict(b=(0, 5, 2**31 - 1), h=(0, 3, 2**31 - 1),
-               q_idx=(1 - emit.MAX_SEQ_LEN, -1, 0, 7, emit.MAX_SEQ_LEN - 1),
-               kv_idx=(0, 5, emit.MAX_SEQ_LEN - 1))
+R = emit._SYMBOL_RANGE
+CORNERS = dict(b=(0, 5, R["b"][1]), h=(0, 3, R["h"][1]),
+               q_idx=(R["q_idx"][0], -1, 0, 7, R["q_idx"][1]), kv_idx=(0, 5, R["kv_idx"][1]))
 CONSTS = (0, 1, -1, 3, 1000, 2**20, 2**30, -(2**31), 2**31 - 1, 2**33)
 LIMIT = 2**62  # expressions whose values could leave int64 are not generated
 
@@ -58,6 +58,24 @@ def _random_expr(rng, syms, depth):
             "*": lambda: dsl._lift(x) * y}[kind]()
 
 
+def _fixed(mod):
+    """A traced int expression built by mod(b, h, q_idx, kv_idx)."""
+    holder = []
+
+    def mask(b, h, q_idx, kv_idx):
+        holder.append(dsl._lift(mod(b, h, q_idx, kv_idx)))
+        return holder[0] == holder[0]
+    dsl.trace(mask, "mask_mod")
+    return holder[0]
+
+
+# -2**31 in 32-bit context (as a C++ literal it would be a long: ja_min(long, long) ambiguous)
+FIXED = [lambda b, h, q, k: ja.minimum(k + (-2**31), k + (-2**31)),
+         lambda b, h, q, k: ja.abs(k + (-2**31) + 2**30),
+         lambda b, h, q, k: ja.minimum(ja.where(q > k, -2**31, 0), k + (-2**31)),
+         lambda b, h, q, k: ja.maximum(q, -2**31)]
+
+
 def _expressions(n, seed=0):
     """n random int expressions (as traced nodes) whose every node stays within LIMIT at every
     corner, with the symbols as the DSL traces them."""
@@ -78,6 +96,9 @@ def _expressions(n, seed=0):
         values = [_value(e, p, seen) for p in points]
         if max(seen) < LIMIT:
             found.append((e, values))
+    for mod in FIXED:
+        e = _fixed(mod)
+        found.append((e, [_value(e, p, []) for p in points]))
     return points, found
 
 
@@ -111,8 +132,8 @@ def test_int_range_of_alibi_and_of_a_square():
     slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
     alibi = dsl.trace(lambda s, b, h, q, k: s + slopes[h] * (k - q), "score_mod").expr
     diff = alibi.args[1].args[1]
-    assert emit.int_range(diff) == (1 - emit.MAX_SEQ_LEN, 2 * emit.MAX_SEQ_LEN - 2)
-    assert emit.narrow(diff)
+    assert emit.int_range(diff) == (-R["q_idx"][1], R["kv_idx"][1] - R["q_idx"][0])
+    assert emit.narrow(diff) and all(emit.narrow(_fixed(mod)) for mod in FIXED)
     square = dsl.trace(lambda s, b, h, q, k: s + k * k, "score_mod").expr.args[1]
     assert not emit.narrow(square) and "((long long)kv_idx) * ((long long)kv_idx)" in \
         emit.emit_cpp(square)
