@@ -147,3 +147,17 @@ def test_planners_reject_requests_past_the_position_bound():
         ja.BatchPrefill(v, page_size=2**16, device="cpu", max_num_pages=pages + 1).plan(
             torch.tensor([0, 1], **i32), torch.tensor([0, pages + 1], **i32),
             torch.arange(pages + 1, **i32), torch.tensor([1], **i32), 1, 1, 64)
+
+
+def test_symbol_ranges_cover_the_lanes_past_the_end_of_a_tile():
+    """The CUDA kernels run the mods on a tile's lanes beyond kv_len (up to a K/V tile) and on
+    padding rows beyond q_len (up to a row tile): the proven ranges must include them."""
+    from jitattn import render
+    tiles = [render.tiles_for(kind, d, arch=arch, kv_fp8=fp8)
+             for kind in ("prefill", "decode") for d in (32, 64, 128, 256)
+             for arch in (None, "sm_90a") for fp8 in (False, True)]
+    reach = max(max(t.kv_tile, t.rows_per_cta(kind)) for t, kind in
+                zip(tiles, [k for k in ("prefill", "decode") for _ in range(16)]))
+    assert reach <= emit.POSITION_MARGIN
+    last = emit.MAX_SEQ_LEN - 1 + emit.POSITION_MARGIN
+    assert R["kv_idx"][1] >= last and R["q_idx"][1] >= last
