@@ -56,6 +56,7 @@ def test_auto_takes_the_fastest_exact_strategy_of_the_nearest_cell(fresh_tables)
 
 def test_near_ties_go_to_the_simplest_strategy(fresh_tables):
     """Within TIE of the fastest, the table's noise: ragged (one launch, no mask data) wins."""
+    assert set(tune.SIMPLEST_FIRST) == set(STRATEGIES)  # every strategy has a rank
     near = 1 + tune.TIE / 2
     _write({"custom_mask": 1.0, "multi_item": 1.001, "ragged": near, "split": 1.0,
             "naive": 3.0, "cascade": 4.0})
