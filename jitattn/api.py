@@ -3,6 +3,8 @@ reading indptr tensors that live on the GPU (pass them on the CPU to avoid that 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import dtypes, launch, ops, render
@@ -46,8 +48,10 @@ def _check_qkv(q, k, v) -> None:
         raise ValueError(f"k/v head_dim is {k.shape[2]} but q's is {head_dim}")
     hq, hkv = q.shape[1], k.shape[1]
     if hkv == 0 or hq == 0 or hq % hkv != 0:
-        raise ValueError(f"num_qo_heads ({hq}) must be a positive multiple of num_kv_heads "
-                         f"({hkv})")
+        raise ValueError(f"num_qo_heads (q.shape[1] = {hq}) must be a positive multiple of "
+                         f"num_kv_heads (k.shape[1] = {hkv}); q, k, v are [tokens, heads, "
+                         f"head_dim] (got q {tuple(q.shape)}, k {tuple(k.shape)}: from "
+                         f"[heads, tokens, head_dim], .transpose(0, 1))")
     for name, t in (("q", q), ("k", k), ("v", v)):
         # 16-byte vector loads: the last dim contiguous, row strides multiples of 8 elements
         s0, s1, s2 = t.stride()
@@ -118,6 +122,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
         raise ValueError(f"variant {variant.name!r} has mask={variant.mask!r}, whose data is "
                          f"given to BatchPrefill.plan(); attention() takes none or causal")
     _check_qkv(q, k, v)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        warnings.warn("jitattn.attention has no backward (inference only): its output does "
+                      "not track gradients; call it under torch.no_grad() or "
+                      "torch.inference_mode()", stacklevel=2)
     total_q, hq, head_dim = q.shape
     hkv = k.shape[1]
     if (qo_indptr is None) != (kv_indptr is None):

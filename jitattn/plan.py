@@ -84,6 +84,10 @@ class Plan:
             return 0.0
         return float(max(self.item_cost.sum() / self.num_ctas, self.item_cost.max()))
 
+    def __repr__(self) -> str:  # the arrays are long: describe() has the readable summary
+        return (f"Plan({len(self.requests)} requests, {self.num_items} work items, "
+                f"{self.num_ctas} CTAs, {self.rows_per_cta} rows per item)")
+
     def describe(self) -> str:
         """A readable summary: items per CTA, predicted makespan against the lower bound."""
         load = self.cta_load

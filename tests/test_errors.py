@@ -1,5 +1,7 @@
 """Bad input raises a clear TypeError / ValueError naming the argument, before any launch."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -23,6 +25,10 @@ def qkv(total_q=10, hq=8, total_kv=12, hkv=2, d=64, dtype=f16):
      "k/v head_dim"),
     (lambda q, k, v: (q, k, v[:5]), ValueError, "same shape"),
     (lambda q, k, v: (q[:, :7], k, v), ValueError, "multiple of num_kv_heads"),
+    # SDPA-style [heads, tokens, head_dim]: the message names the layout and the fix
+    (lambda q, k, v: (q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(),
+                      v.transpose(0, 1).contiguous()), ValueError,
+     r"\[tokens, heads, head_dim\].*transpose\(0, 1\)"),
     (lambda q, k, v: (q.transpose(0, 1).contiguous().transpose(0, 1)[:, :, :],
                       k.transpose(1, 2).contiguous().transpose(1, 2), v), ValueError, "strides"),
     (lambda q, k, v: (q.numpy(), k, v), TypeError, "q must be a torch.Tensor"),
@@ -30,6 +36,16 @@ def qkv(total_q=10, hq=8, total_kv=12, hkv=2, d=64, dtype=f16):
 def test_bad_tensors(mutate, exc, match):
     with pytest.raises(exc, match=match):
         ja.attention(*mutate(*qkv()), V)
+
+
+def test_inputs_that_require_grad_warn_that_there_is_no_backward():
+    q, k, v = (t.requires_grad_() for t in qkv())
+    with pytest.warns(UserWarning, match="no backward"):
+        out = ja.attention(q, k, v, V)
+    assert not out.requires_grad
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ja.attention(q, k, v, V)  # under no_grad: no warning
 
 
 def test_variant_must_be_a_variant():

@@ -70,6 +70,8 @@ def test_chunk_cap_balance_bound_and_determinism(seed):
                  (plan.cta_indptr, again.cta_indptr)):
         assert np.array_equal(a, b)
     assert "lower bound" in plan.describe()
+    assert repr(plan) == (f"Plan({len(qo)} requests, {plan.num_items} work items, 64 CTAs, "
+                          f"8 rows per item)")  # short in a REPL: no arrays
 
 
 def test_long_request_is_split_across_ctas():
