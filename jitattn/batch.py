@@ -22,22 +22,13 @@ import torch
 
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
-from .plan import Plan, check_seq_lens, make_plan
-from .render import HEAD_DIMS, QUERY_TILES, query_kind, tiles_for
+from .batch_inputs import check_batch
+from .plan import Plan, make_plan
+from .render import QUERY_TILES, query_kind, tiles_for
 from .spec import Variant
 from .workspace import Workspace
 
 LAYOUTS = ("NHD", "HND", "ragged")
-
-
-def _check_indptr(name: str, x: np.ndarray) -> None:
-    if x[0] != 0:
-        raise ValueError(f"{name}[0] is {x[0]}; expected 0")
-    bad = np.nonzero(np.diff(x) < 0)[0]
-    if len(bad):
-        i = int(bad[0])
-        raise ValueError(f"{name} must be non-decreasing; {name}[{i}] = {x[i]} > "
-                         f"{name}[{i + 1}] = {x[i + 1]}")
 
 
 def resolve_device(device) -> torch.device:
@@ -142,67 +133,19 @@ class BatchPrefill:
 
     def _plan_batch(self, qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
                     num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale, masks=None) -> Plan:
-        kv = masks_mod.host_int32("kv_indptr", kv_indptr)
-        _check_indptr("qo_indptr", qo)
-        _check_indptr("kv_indptr", kv)
-        batch = len(qo) - 1
+        inputs = check_batch(qo, kv_indptr, kv_indices, kv_last_page_len,
+                             decode=self._kind == "decode", kv_layout=self.kv_layout,
+                             page_size=self.page_size, num_qo_heads=num_qo_heads,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype,
+                             kv_dtype=kv_dtype, capacity=self.capacity)
+        kv, indices, kv_dtype = inputs.kv, inputs.indices, inputs.kv_dtype
+        qo_lens, kv_lens, batch = inputs.qo_lens, inputs.kv_lens, inputs.batch
+        max_qo, max_kv = int(qo_lens.max(initial=0)), int(kv_lens.max(initial=0))
         ragged = self.kv_layout == "ragged"
-        if ragged:
-            if kv_indices is not None or kv_last_page_len is not None:
-                raise ValueError("kv_layout='ragged' has no pages: pass kv_indices=None and "
-                                 "kv_last_page_len=None (kv_indptr counts tokens)")
-            # tokens as pages of one: the page table is the identity
-            kv_indices = torch.arange(int(kv[-1]), dtype=torch.int32)
-            kv_last_page_len = torch.ones(batch, dtype=torch.int32)
-        indices = masks_mod.host_int32("kv_indices", kv_indices, allow_empty=True)
-        last = masks_mod.host_int32("kv_last_page_len", kv_last_page_len, allow_empty=True)
-        if len(kv) != batch + 1 or len(last) != batch:
-            if self._kind == "decode":  # batch is len(kv_indptr) - 1
-                raise ValueError(f"kv_last_page_len has {len(last)} entries; kv_indptr's "
-                                 f"{len(kv)} make a batch of {batch}")
-            raise ValueError(f"qo_indptr has {len(qo)} entries, kv_indptr {len(kv)} and "
-                             f"kv_last_page_len {len(last)}; expected batch + 1, batch + 1, "
-                             f"batch")
-        if kv[-1] > len(indices):
-            raise ValueError(f"kv_indptr[-1] is {kv[-1]} but kv_indices has {len(indices)} "
-                             f"entries")
-        if len(indices) and indices[:kv[-1]].min(initial=0) < 0:
-            raise ValueError(f"kv_indices holds a negative page id "
-                             f"({int(indices[:kv[-1]].min())})")
-        pages = np.diff(kv)
-        page_size = 1 if ragged else self.page_size
-        bad = np.nonzero((pages > 0) & ((last < 1) | (last > page_size)))[0]
-        if len(bad):
-            b = int(bad[0])
-            raise ValueError(f"kv_last_page_len[{b}] is {last[b]}; expected 1 .. page_size "
-                             f"({self.page_size}) for a request with pages")
-        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected an int >= 1")
-        if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
-                             f"num_kv_heads ({num_kv_heads})")
-        if head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim={head_dim}: expected one of {HEAD_DIMS}")
-        kv_dtype = q_dtype if kv_dtype is None else kv_dtype
-        if q_dtype not in dtypes.QKV_DTYPES or kv_dtype not in (q_dtype,) + dtypes.FP8_KV_DTYPES:
-            raise TypeError(f"q_dtype={q_dtype}, kv_dtype={kv_dtype}: expected q_dtype one of "
-                            f"{dtypes.QKV_DTYPES} and kv_dtype q_dtype or one of "
-                            f"{dtypes.FP8_KV_DTYPES}")
         cap = self.capacity
-        if batch > cap["max_batch_size"]:
-            raise ValueError(f"batch of {batch} requests exceeds max_batch_size="
-                             f"{cap['max_batch_size']} given to the constructor")
-        if not ragged and kv[-1] > cap["max_num_pages"]:
-            raise ValueError(f"the batch uses {kv[-1]} pages, more than max_num_pages="
-                             f"{cap['max_num_pages']} given to the constructor")
-        kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
-        qo_lens = np.diff(qo)
-        check_seq_lens(int(qo_lens.max(initial=0)), int(kv_lens.max(initial=0)))
         mask = masks_mod.mask_arrays(self.variant.mask, masks or {}, qo_lens, kv_lens,
                                      self.capacity)
-        kernel_kind = self._kernel_kind(int(qo_lens.max(initial=0)),
-                                        num_qo_heads // num_kv_heads, head_dim)
+        kernel_kind = self._kernel_kind(max_qo, num_qo_heads // num_kv_heads, head_dim)
         rows, num_ctas, kv_tile = self._launch_shape(kernel_kind, q_dtype, kv_dtype, head_dim)
         plan = make_plan(qo_lens, kv_lens, kv[:-1], num_qo_heads=num_qo_heads,
                          num_kv_heads=num_kv_heads, rows_per_cta=rows, num_ctas=num_ctas,
@@ -235,15 +178,15 @@ class BatchPrefill:
                 "ragged": (num_kv_heads, head_dim)}[self.kv_layout]
         self._expected = ((int(qo[-1]), num_qo_heads, head_dim), q_dtype, kv_dtype, page,
                           self.device.index if self.device.type == "cuda" else -1,
-                          int(indices[:kv[-1]].max(initial=-1)))
+                          inputs.max_page)
         self._fine_strides = {}  # K/V strides -> whether they suit the kernels (for kv_dtype)
         self._planned = dict(
             total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, batch=batch, kind=kernel_kind,
-            max_page=int(indices[:kv[-1]].max(initial=-1)),
+            max_page=inputs.max_page,
             sm_scale=launch.resolve_sm_scale(sm_scale, head_dim),
             sizes=dict(batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                       qo_len=int(qo_lens.max(initial=0)), kv_len=int(kv_lens.max(initial=0))))
+                       qo_len=max_qo, kv_len=max_kv))
         return plan
 
     @property

@@ -1,0 +1,110 @@
+"""The host-side inputs of BatchPrefill.plan / BatchDecode.plan, checked and turned into per-
+request lengths: indptrs, the page table, last-page lengths, head configuration, dtypes and
+the wrapper's capacities. Every error names the argument, its value and what was expected."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import dtypes
+from . import masks as masks_mod
+from .plan import check_seq_lens
+from .render import HEAD_DIMS
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """A checked batch. qo / kv: the indptrs (int32 numpy; kv counts pages, or tokens for the
+    ragged layout); indices: the page table (the identity for ragged); qo_lens / kv_lens:
+    tokens per request; max_page: the largest page id used (-1 for none)."""
+
+    qo: np.ndarray
+    kv: np.ndarray
+    indices: np.ndarray
+    qo_lens: np.ndarray
+    kv_lens: np.ndarray
+    kv_dtype: torch.dtype
+    max_page: int
+
+    @property
+    def batch(self) -> int:
+        return len(self.qo) - 1
+
+
+def check_indptr(name: str, x: np.ndarray) -> None:
+    if x[0] != 0:
+        raise ValueError(f"{name}[0] is {x[0]}; expected 0")
+    bad = np.nonzero(np.diff(x) < 0)[0]
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"{name} must be non-decreasing; {name}[{i}] = {x[i]} > "
+                         f"{name}[{i + 1}] = {x[i + 1]}")
+
+
+def check_batch(qo, kv_indptr, kv_indices, kv_last_page_len, *, decode: bool, kv_layout: str,
+                page_size: int, num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype,
+                capacity: dict) -> BatchInputs:
+    """Check plan()'s arguments (qo: the host qo_indptr, int32 numpy; decode: the batch size
+    comes from kv_indptr) against each other and the wrapper's capacities. Raises ValueError /
+    TypeError naming the argument."""
+    kv = masks_mod.host_int32("kv_indptr", kv_indptr)
+    check_indptr("qo_indptr", qo)
+    check_indptr("kv_indptr", kv)
+    batch = len(qo) - 1
+    ragged = kv_layout == "ragged"
+    if ragged:
+        if kv_indices is not None or kv_last_page_len is not None:
+            raise ValueError("kv_layout='ragged' has no pages: pass kv_indices=None and "
+                             "kv_last_page_len=None (kv_indptr counts tokens)")
+        # tokens as pages of one: the page table is the identity
+        kv_indices = torch.arange(int(kv[-1]), dtype=torch.int32)
+        kv_last_page_len = torch.ones(batch, dtype=torch.int32)
+    indices = masks_mod.host_int32("kv_indices", kv_indices, allow_empty=True)
+    last = masks_mod.host_int32("kv_last_page_len", kv_last_page_len, allow_empty=True)
+    if len(kv) != batch + 1 or len(last) != batch:
+        if decode:  # batch is len(kv_indptr) - 1
+            raise ValueError(f"kv_last_page_len has {len(last)} entries; kv_indptr's "
+                             f"{len(kv)} make a batch of {batch}")
+        raise ValueError(f"qo_indptr has {len(qo)} entries, kv_indptr {len(kv)} and "
+                         f"kv_last_page_len {len(last)}; expected batch + 1, batch + 1, "
+                         f"batch")
+    if kv[-1] > len(indices):
+        raise ValueError(f"kv_indptr[-1] is {kv[-1]} but kv_indices has {len(indices)} "
+                         f"entries")
+    used = indices[:kv[-1]]
+    if len(used) and used.min() < 0:
+        raise ValueError(f"kv_indices holds a negative page id ({int(used.min())})")
+    pages = np.diff(kv)
+    tokens_per_page = 1 if ragged else page_size
+    bad = np.nonzero((pages > 0) & ((last < 1) | (last > tokens_per_page)))[0]
+    if len(bad):
+        b = int(bad[0])
+        raise ValueError(f"kv_last_page_len[{b}] is {last[b]}; expected 1 .. page_size "
+                         f"({page_size}) for a request with pages")
+    for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
+                         f"num_kv_heads ({num_kv_heads})")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim}: expected one of {HEAD_DIMS}")
+    kv_dtype = q_dtype if kv_dtype is None else kv_dtype
+    if q_dtype not in dtypes.QKV_DTYPES or kv_dtype not in (q_dtype,) + dtypes.FP8_KV_DTYPES:
+        raise TypeError(f"q_dtype={q_dtype}, kv_dtype={kv_dtype}: expected q_dtype one of "
+                        f"{dtypes.QKV_DTYPES} and kv_dtype q_dtype or one of "
+                        f"{dtypes.FP8_KV_DTYPES}")
+    if batch > capacity["max_batch_size"]:
+        raise ValueError(f"batch of {batch} requests exceeds max_batch_size="
+                         f"{capacity['max_batch_size']} given to the constructor")
+    if not ragged and kv[-1] > capacity["max_num_pages"]:
+        raise ValueError(f"the batch uses {kv[-1]} pages, more than max_num_pages="
+                         f"{capacity['max_num_pages']} given to the constructor")
+    kv_lens = np.where(pages > 0, (pages - 1) * tokens_per_page + last, 0)
+    qo_lens = np.diff(qo)
+    check_seq_lens(int(qo_lens.max(initial=0)), int(kv_lens.max(initial=0)))
+    return BatchInputs(qo, kv, indices, qo_lens, kv_lens, kv_dtype,
+                       int(used.max(initial=-1)))
