@@ -60,7 +60,7 @@ def int_range(e) -> tuple[int, int] | None:
     if op == "sym":
         return _SYMBOL_RANGE[a[0]]
     if op == "index":
-        return (-(1 << 31), (1 << 31) - 1) if a[0].dtype == torch.int32 else None
+        return _I32 if a[0].dtype == torch.int32 else None
     if op in ("neg", "abs"):
         r = int_range(a[0])
         if r is None:
