@@ -85,7 +85,8 @@ class DevicePlan:
 
 
 def output_buffer(name, t, shape, dtype, device):
-    """A new output tensor, or the caller's after checking it fits."""
+    """A new output tensor, or the caller's after checking it fits: the shape, dtype and
+    device, contiguous, 16-byte aligned (the kernels store whole 16-byte chunks of a row)."""
     if t is None:
         return torch.empty(shape, dtype=dtype, device=device)
     if not isinstance(t, torch.Tensor):
@@ -95,6 +96,9 @@ def output_buffer(name, t, shape, dtype, device):
                          f"{tuple(shape)} {dtype} on {device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} starts at address {t.data_ptr():#x}, not 16-byte aligned; "
+                         f"expected a tensor from torch.empty or a view at a 16-byte offset")
     return t
 
 

@@ -142,3 +142,12 @@ def test_hints_for_ported_code():
            None, None, 8, 2, 64)
     with pytest.raises(TypeError, match=r"plan\(\.\.\., q_dtype=\) sets it"):
         w.run(q.bfloat16(), (k.bfloat16(), v.bfloat16()))
+
+
+def test_out_must_be_16_byte_aligned():
+    q, k, v = qkv()
+    buf = torch.empty(q.numel() + 8, dtype=q.dtype)
+    out = buf[1:q.numel() + 1].view(q.shape)  # contiguous, 2 bytes past an aligned start
+    with pytest.raises(ValueError, match="out starts at address .* not 16-byte aligned"):
+        ja.attention(q, k, v, V, out=out)
+    ja.attention(q, k, v, V, out=buf[8:].view(q.shape))  # 16 bytes in: accepted
