@@ -244,7 +244,12 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     const char* ws_head = reinterpret_cast<const char*>(
         (wg == 0 ? a.k : a.v) + (long long)w.hk * ws_layout.stride_h) + ws_q * 16;
     const unsigned ws_dst = ws_r0 * 128 + (ws_q ^ (ws_r0 % 8)) * 16;  // within a tile
-    const long long ws_row_bytes = (long long)ws_layout.stride_page * sizeof(KVType);  // ragged
+    // ragged: bytes between a row and the next, and between a thread's rows (16 apart), the
+    // latter opaque to the compiler, which otherwise forms each row's address as a 64-bit
+    // product of its row number (about 9 instructions a row instead of 2; SASS, session 8);
+    // not at head_dim 256 (4 rows a tile), where the register it holds made ptxas spill
+    const long long ws_row_bytes = (long long)ws_layout.stride_page * sizeof(KVType);
+    const long long ws_step = HEAD_DIM <= 128 ? opaque(16 * ws_row_bytes) : 0;
     // this warpgroup's tensor of the item's tile t, once the stage is empty
     auto load_ws = [&](int t) {
       const int G = gt + t, stage = G % STAGES, use = G / STAGES;
@@ -259,7 +264,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
 #pragma unroll
         for (int x = 0; x < WS_ROWS; ++x) {
           const bool valid = 16 * x < rows_left;  // else zero-filled from an address not read
-          const char* row = valid ? src + x * 16 * ws_row_bytes : ws_head;  // (in the tensor)
+          const char* row = HEAD_DIM <= 128 ? src + x * ws_step : src + x * 16 * ws_row_bytes;
+          row = valid ? row : ws_head;  // (in the tensor)
 #pragma unroll
           for (int pn = 0; pn < PANELS; ++pn)
             cp_async_16(base + pn * BLOCK_N * 128 + x * 16 * 128, row + pn * 128, valid);

@@ -90,6 +90,12 @@ __device__ __forceinline__ void load_words(unsigned (&w)[N], const void* p) {
     for (int i = 0; i < N; ++i) w[i] = reinterpret_cast<const unsigned*>(p)[i];
   }
 }
+// x, through a register the compiler cannot see into (keeps it from re-deriving x from the
+// expression that made it)
+__device__ __forceinline__ long long opaque(long long x) {
+  asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
+  return x;
+}
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
