@@ -131,7 +131,10 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       kv_s + (WGMMA ? STAGES * 2 * BLOCK_N * TILE_ROW : 0));
   unsigned long long *full_k = bars, *full_v = bars + STAGES, *empty_k = bars + 2 * STAGES,
                      *empty_v = bars + 3 * STAGES;
-  const int wg = warp / 4;  // WGMMA: this thread's warpgroup (0 copies K, 1 copies V)
+  // WGMMA: this thread's warpgroup (0 copies K, 1 copies V), broadcast from lane 0 so that the
+  // compiler knows it is the same across the warp and keeps what derives from it (the
+  // operands' descriptors) in uniform registers (CUTLASS's canonical_warp_group_idx)
+  const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
   int gt = 0;
   if constexpr (WGMMA) {
     if (threadIdx.x == 0)
@@ -250,6 +253,10 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     // not at head_dim 256 (4 rows a tile), where the register it holds made ptxas spill
     const long long ws_row_bytes = (long long)ws_layout.stride_page * sizeof(KVType);
     const long long ws_step = HEAD_DIM <= 128 ? opaque(16 * ws_row_bytes) : 0;
+    // paged with a page size that divides 16: page-list entries between a thread's rows (0:
+    // another page size); ws_row_bytes is then the bytes between pages
+    const int ws_page_step = ws_layout.kv_indices != nullptr && 16 % ws_layout.page_size.d == 0
+                                 ? 16 / ws_layout.page_size.d : 0;
     // this warpgroup's tensor of the item's tile t, once the stage is empty
     auto load_ws = [&](int t) {
       const int G = gt + t, stage = G % STAGES, use = G / STAGES;
@@ -273,7 +280,31 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         cp_async_mbar_arrive_noinc(wg == 0 ? &full_k[stage] : &full_v[stage]);
         return;
       }
-      // every row's page-table lookup before any copy: one memory latency per tile
+      if (ws_page_step > 0) {
+        // page size 1, 2, 4, 8 or 16: the thread's rows, 16 apart, lie ws_page_step entries
+        // apart in the request's page list, all at the same slot (one division per tile, not
+        // one per row; the lookups still come before any copy)
+        const int j0 = t0 + ws_r0, p0 = ws_layout.page_size.div(j0);
+        const int rows_left = range.y - j0;  // row x is a key of the range if 16 x < it
+        const int* pages = ws_layout.kv_indices + req.kv_start + p0;
+        const char* slot_head = ws_head + (long long)(j0 - p0 * ws_layout.page_size.d) *
+                                              ws_layout.stride_slot * (long long)sizeof(KVType);
+        int page[WS_ROWS];
+#pragma unroll
+        for (int x = 0; x < WS_ROWS; ++x) page[x] = 16 * x < rows_left ? pages[x * ws_page_step] : -1;
+#pragma unroll
+        for (int x = 0; x < WS_ROWS; ++x) {
+          const bool valid = page[x] >= 0;  // else zero-filled from an address not read
+          const char* row = valid ? slot_head + page[x] * ws_row_bytes : ws_head;
+#pragma unroll
+          for (int pn = 0; pn < PANELS; ++pn)
+            cp_async_16(base + pn * BLOCK_N * 128 + x * 16 * 128, row + pn * 128, valid);
+        }
+        cp_async_mbar_arrive_noinc(wg == 0 ? &full_k[stage] : &full_v[stage]);
+        return;
+      }
+      // other page sizes: every row's page-table lookup before any copy: one memory latency
+      // per tile
       int2 at[WS_ROWS];
 #pragma unroll
       for (int x = 0; x < WS_ROWS; ++x) {
@@ -385,10 +416,11 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         float(&acc)[ND * 4] = *reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]);
         wgmma_hold(acc);
         wgmma_hold(pa_prev);
+        const unsigned long long v_desc = wgmma_desc(v_tile, BLOCK_N * 64 * 2, 1024);
 #pragma unroll
         for (int kk = 0; kk < KEYS_WARP / 16; ++kk)
-          Wgmma<DType, HEAD_DIM>::rs_acc(
-              acc, pa_prev[kk], wgmma_desc(v_tile + kk * 16 * 64, BLOCK_N * 64 * 2, 1024));
+          Wgmma<DType, HEAD_DIM>::rs_acc(acc, pa_prev[kk],
+                                         wgmma_desc_add(v_desc, kk * 16 * 64 * (int)sizeof(DType)));
       }
     };
     auto v_of = [&](int G) {  // the 16-bit V tile of the CTA's tile G in its stage
@@ -451,14 +483,17 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         // the warpgroup's 64 rows of Q times the tile's keys, k = 16 columns at a time: K-major
         // operands, 32 bytes further into the panel's swizzled 128-byte rows per step
         float(&acc)[NB * 4] = *reinterpret_cast<float(*)[NB * 4]>(&s[0][0][0]);
-        const DType* q_wg = q_s + (warp / 4) * 64 * 64;
+        const unsigned long long q_desc = wgmma_desc(q_s + wg * 64 * 64, 16, 1024),
+                                 k_desc = wgmma_desc(k_s, 16, 1024);
         named_bar_sync(1 + wg, 256);  // this warpgroup's turn to issue
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KD; ++kk)
           Wgmma<DType, BLOCK_N>::ss(
-              acc, wgmma_desc(q_wg + (kk / 4) * ROWS_CTA * 64 + (kk % 4) * 16, 16, 1024),
-              wgmma_desc(k_s + (kk / 4) * BLOCK_N * 64 + (kk % 4) * 16, 16, 1024), kk > 0);
+              acc,
+              wgmma_desc_add(q_desc, ((kk / 4) * ROWS_CTA * 64 + (kk % 4) * 16) * (int)sizeof(DType)),
+              wgmma_desc_add(k_desc, ((kk / 4) * BLOCK_N * 64 + (kk % 4) * 16) * (int)sizeof(DType)),
+              kk > 0);
         wgmma_commit();
         if constexpr (!FIRST) issue_pv(v_of(G - 1));
         wgmma_commit();
@@ -776,9 +811,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
 #pragma unroll
         for (int x = 0; x < MT * 16 / O_STEP; ++x) {
           const int local = row_w + rw0 + x * O_STEP;
-          if (w.row0 + local < packed_rows)
-            *reinterpret_cast<uint4*>(a.o + row.offset + c) =
-                *reinterpret_cast<const uint4*>(q_s + tile_at(ROWS_CTA, local, c));
+          store16_if(a.o + row.offset + c,
+                     *reinterpret_cast<const uint4*>(q_s + tile_at(ROWS_CTA, local, c)),
+                     w.row0 + local < packed_rows);
           row.next();
         }
       }

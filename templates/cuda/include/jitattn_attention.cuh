@@ -128,5 +128,13 @@ __device__ __forceinline__ void store2(__nv_bfloat16* p, float2 x) {
   *reinterpret_cast<__nv_bfloat162*>(p) = Pair<__nv_bfloat16>::from_float2(x);
 }
 __device__ __forceinline__ void store2(float* p, float2 x) { *reinterpret_cast<float2*>(p) = x; }
+// 16 bytes to global memory when `pred`, as one predicated store: no branch around it (a
+// branch per row cost its convergence barrier in the output copy; ncu, session 8). p is not
+// touched otherwise.
+__device__ __forceinline__ void store16_if(void* p, uint4 x, bool pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n"
+               "@p st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}\n"
+               :: "l"(p), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w), "r"((int)pred) : "memory");
+}
 
 }  // namespace ja

@@ -16,6 +16,14 @@ __device__ __forceinline__ unsigned long long wgmma_desc(const void* p, int lead
          ((unsigned long long)((lead_bytes >> 4) & 0x3fff) << 16) |
          ((unsigned long long)((stride_bytes >> 4) & 0x3fff) << 32) | (1ull << 62);
 }
+// The descriptor of the operand `bytes` (a multiple of 16) further on: the start address field
+// holds address / 16 in its low 14 bits, so the offset is an add that cannot carry out of it
+// (shared-memory addresses are below 2^18). Each k-step's descriptor as a base plus a constant
+// spares the per-step mask, shift and OR of wgmma_desc (CUTLASS's descriptor iterator).
+__device__ __forceinline__ unsigned long long wgmma_desc_add(unsigned long long desc,
+                                                             int bytes) {
+  return desc + (unsigned long long)(bytes >> 4);
+}
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
