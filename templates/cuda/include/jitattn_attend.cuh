@@ -134,7 +134,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // WGMMA: this thread's warpgroup (0 copies K, 1 copies V), broadcast from lane 0 so that the
   // compiler knows it is the same across the warp and keeps what derives from it (the
   // operands' descriptors) in uniform registers (CUTLASS's canonical_warp_group_idx)
-  const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
+  const int wg = WGMMA ? __shfl_sync(0xffffffffu, warp / 4, 0) : warp / 4;
   int gt = 0;
   if constexpr (WGMMA) {
     if (threadIdx.x == 0)
@@ -284,10 +284,10 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         // page size 1, 2, 4, 8 or 16: the thread's rows, 16 apart, lie ws_page_step entries
         // apart in the request's page list, all at the same slot (one division per tile, not
         // one per row; the lookups still come before any copy)
-        const int j0 = t0 + ws_r0, p0 = ws_layout.page_size.div(j0);
-        const int rows_left = range.y - j0;  // row x is a key of the range if 16 x < it
+        const int first = t0 + ws_r0, p0 = ws_layout.page_size.div(first);
+        const int rows_left = range.y - first;  // row x is a key of the range if 16 x < it
         const int* pages = ws_layout.kv_indices + req.kv_start + p0;
-        const char* slot_head = ws_head + (long long)(j0 - p0 * ws_layout.page_size.d) *
+        const char* slot_head = ws_head + (long long)(first - p0 * ws_layout.page_size.d) *
                                               ws_layout.stride_slot * (long long)sizeof(KVType);
         int page[WS_ROWS];
 #pragma unroll
