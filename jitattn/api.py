@@ -97,8 +97,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
         q and k/v; both or neither (then q, k, v are one request). Read on the host: pass CPU
         tensors to avoid a device sync.
     sm_scale: > 0, multiplies q.k before score_mod; default 1 / sqrt(head_dim).
-    out, lse: optional preallocated outputs (contiguous, shapes and dtypes as returned below);
-        every element is written.
+    out, lse: optional preallocated outputs (contiguous, 16-byte aligned, shapes and dtypes as
+        returned below); every element is written.
     params: the variant's runtime parameters by name (``variant.runtime_param_names``).
     Returns out [total_q, num_qo_heads, head_dim] (q's dtype), and with return_lse also lse
     [total_q, num_qo_heads] float32, natural log; rows that see no key give out 0, lse -inf.

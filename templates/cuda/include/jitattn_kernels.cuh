@@ -51,35 +51,6 @@ __device__ __forceinline__ RowInfo row_info(const Request& req, int hk, int g, i
   return {packed < req.q_len * g, qi, hk * g + packed % g, req.kv_len - req.q_len + qi};
 }
 
-// Packed rows p0, p0 + STEP, p0 + 2 STEP, ... of kv head hk (row p: token q_start + p / g, head
-// hk * g + p % g) as element offsets into a [tokens, heads, ...] tensor with strides
-// (stride_n, stride_h), one division when made instead of one per row (the Q copy and the
-// output stores walk a thread's rows this way).
-template <int STEP>
-struct PackedRowWalk {
-  long long offset;  // of the current row
-  long long step;    // STEP rows further when the head does not wrap
-  long long wrap;    // added when it does: the next token's head 0 instead of head g
-  int h, dh, g;
-  __device__ __forceinline__ PackedRowWalk(int q_start, int hk, int g_, int p0,
-                                           long long stride_n, long long stride_h) : g(g_) {
-    const int qi = p0 / g;
-    h = p0 - qi * g;
-    dh = STEP % g;
-    offset = (q_start + qi) * stride_n + (hk * g + h) * stride_h;
-    step = (long long)(STEP / g) * stride_n + dh * stride_h;
-    wrap = stride_n - g * stride_h;
-  }
-  __device__ __forceinline__ void next() {
-    offset += step;
-    h += dh;
-    if (h >= g) {
-      h -= g;
-      offset += wrap;
-    }
-  }
-};
-
 // KV range [lo, hi) that rows [row0, row_last] of a request can see under causal / window,
 // within the work item's chunk [kv_lo, kv_hi).
 __device__ __forceinline__ int2 kv_range(const Request& req, int g, int row0, int row_last,
