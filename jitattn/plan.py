@@ -33,6 +33,12 @@ FILL_MARGIN = 0.08    # the linear partition (_fill) cuts more spans than longes
 #                       the H200 (decode, docs/performance.md v9) it measured about 7% slower
 #                       than predicted relative to longest-first: predicted 12.9% faster at
 #                       16 x 32768, measured 5%; predicted equal at 64 x 4096, measured 6.6% slower
+MERGE_ITEMS = 1.0     # a plan that splits tiles also launches the merge kernel (which reads the
+#                       partial states back and writes the rows) and, eager, pays one more
+#                       launch on the host (about 20 of the 99 us per small decode run() on the
+#                       H200's host, docs/performance.md session 8): it is taken only when
+#                       it shortens the predicted makespan by more than this many items' fixed
+#                       cost (alpha * rows_per_cta) against the plan without splits
 REQUEST_FIELDS = 8    # int32 per request on the device: q_start, q_len, kv_len, kv_start,
 #                       mask_offset (bytes into the packed custom mask), prefix_len,
 #                       token_pos_offset (into token_pos_in_items), unused
@@ -365,6 +371,14 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
             cap = int((chunks["hi"] - chunks["lo"]).max())
             costs = alpha * rows_per_cta + beta * (chunks["hi"] - chunks["lo"]).astype(np.float64)
             best = (makespan, cap, chunks, split, costs, cta, rank)
+    if split_kv and best[3].any():  # against the plan without splits (MERGE_ITEMS)
+        chunks = _chunks(tiles, 1 << 30, kv_tile)
+        split = _split_keys(tiles, chunks)
+        if not split.any() and fits(chunks, split):
+            costs = alpha * rows_per_cta + beta * (chunks["hi"] - chunks["lo"]).astype(np.float64)
+            cta, rank, makespan = _assign(costs, num_ctas)
+            if makespan <= best[0] + MERGE_ITEMS * alpha * rows_per_cta:
+                best = (makespan, 1 << 30, chunks, split, costs, cta, rank)
     _, cap, chunks, split, costs, cta, rank = best
 
     # partial rows: consecutive blocks of rows_per_cta for the chunks of split tiles, in chunk
