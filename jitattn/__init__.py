@@ -18,6 +18,7 @@ from .merge import merge_state, merge_state_in_place, merge_states
 from .prefix import PrefixGroup, PrefixTrie, find_shared_prefixes, multi_item_metadata
 from .shared_prefix import SharedPrefixPrefill
 from .cascade import CascadeDecode, MultiLevelCascade
+from . import catalog  # the ready-made variants: catalog.builtin()[name].make()
 
 __all__ = [
     "Variant", "RoPE", "SpecError", "CompileError", "attention", "scalar", "tensor", "where",

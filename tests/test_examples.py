@@ -52,3 +52,13 @@ def test_llama_example_on_gpu_with_a_cuda_graph_decode_step():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in PRINTS[path.stem] + ["[cuda]", "replayed from one CUDA graph"]:
         assert line in proc.stdout, proc.stdout
+
+
+def test_readme_catalog_lines_work_after_a_plain_import():
+    """The README loads ready-made variants as jitattn.catalog... after `import jitattn` only (a
+    fresh process: in this one another test may have imported the submodule already)."""
+    code = ("import jitattn; v = jitattn.catalog.builtin()['alibi'].make(); "
+            "assert isinstance(v, jitattn.Variant), v; print(v.name)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
