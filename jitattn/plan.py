@@ -11,7 +11,9 @@ longest first with stable ids for ties, and each goes to the least-loaded CTA wi
 alpha * rows + beta * len. One more candidate, a linear partition (stream-K, Osama et al. 2023:
 the ranges laid end to end and cut into C runs of equal cost), is taken when it predicts a
 clearly shorter makespan: it balances batches of a few long ranges that equal chunks cannot
-(16 x 32768 keys on 264 CTAs). A tile cut into several chunks writes partial states that a merge
+(16 x 32768 keys on 264 CTAs). A plan that cuts tiles is kept only when it predicts a makespan
+shorter than the plan without cuts by more than MERGE_ITEMS items' fixed cost, since it also
+launches the merge kernel. A tile cut into several chunks writes partial states that a merge
 kernel combines in chunk order; nothing uses atomics, so the same plan gives bit-identical
 outputs run after run.
 """
@@ -33,6 +35,12 @@ FILL_MARGIN = 0.08    # the linear partition (_fill) cuts more spans than longes
 #                       the H200 (decode, docs/performance.md v9) it measured about 7% slower
 #                       than predicted relative to longest-first: predicted 12.9% faster at
 #                       16 x 32768, measured 5%; predicted equal at 64 x 4096, measured 6.6% slower
+MERGE_ITEMS = 1.0     # a plan that splits tiles also launches the merge kernel (which reads the
+#                       partial states back and writes the rows) and, eager, pays one more
+#                       launch on the host (about 20 of the 99 us per small decode run() on the
+#                       H200's host, docs/performance.md session 8): it is taken only when
+#                       it shortens the predicted makespan by more than this many items' fixed
+#                       cost (alpha * rows_per_cta) against the plan without splits
 REQUEST_FIELDS = 8    # int32 per request on the device: q_start, q_len, kv_len, kv_start,
 #                       mask_offset (bytes into the packed custom mask), prefix_len,
 #                       token_pos_offset (into token_pos_in_items), unused
@@ -365,6 +373,14 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
             cap = int((chunks["hi"] - chunks["lo"]).max())
             costs = alpha * rows_per_cta + beta * (chunks["hi"] - chunks["lo"]).astype(np.float64)
             best = (makespan, cap, chunks, split, costs, cta, rank)
+    if split_kv and best[3].any():  # against the plan without splits (MERGE_ITEMS)
+        chunks = _chunks(tiles, 1 << 30, kv_tile)
+        split = _split_keys(tiles, chunks)
+        if not split.any() and fits(chunks, split):
+            costs = alpha * rows_per_cta + beta * (chunks["hi"] - chunks["lo"]).astype(np.float64)
+            cta, rank, makespan = _assign(costs, num_ctas)
+            if makespan <= best[0] + MERGE_ITEMS * alpha * rows_per_cta:
+                best = (makespan, 1 << 30, chunks, split, costs, cta, rank)
     _, cap, chunks, split, costs, cta, rank = best
 
     # partial rows: consecutive blocks of rows_per_cta for the chunks of split tiles, in chunk

@@ -13,3 +13,12 @@ def private_cache(tmp_path_factory):
     jit.clear_memo()
     yield root
     mp.undo()
+
+
+@pytest.fixture
+def keep_splits(monkeypatch):
+    """Plans keep the split-KV schedule the planner picks even where the plan without splits
+    predicts no longer a makespan (plan.MERGE_ITEMS = -inf): small batches then still exercise
+    the merge path."""
+    from jitattn import plan
+    monkeypatch.setattr(plan, "MERGE_ITEMS", float("-inf"))

@@ -32,7 +32,7 @@ def test_batch_prefill_matches_reference(layout, page_size):
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN))
-def test_batch_decode_every_builtin_variant(name):
+def test_batch_decode_every_builtin_variant(name, keep_splits):
     kv_lens = [1, 700, 33, 0, 129]
     variant, params = BUILTIN[name].example(len(kv_lens), 8, 2, 1, max(kv_lens), "cpu")
     kv_cache, kv_indptr, kv_indices, last = make_paged(kv_lens, 2, 128, 16, "NHD",
@@ -243,7 +243,7 @@ def test_mask_arguments_are_checked():
                      torch.randn(3, 2, 64, dtype=torch.float16), ja.Variant("c", mask="custom"))
 
 
-def test_ragged_kv_prefill_matches_reference():
+def test_ragged_kv_prefill_matches_reference(keep_splits):
     variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
     qo_lens, kv_lens = [3, 0, 50, 1], [9, 4, 50, 2000]
     q, k, v, qo_indptr, kv_indptr = make_batch(qo_lens, kv_lens, 8, 2, 128, torch.float16,

@@ -159,3 +159,17 @@ def test_workspace_item_capacity_and_tile_granularity():
         make_plan([1] * 4, [100] * 4, [0] * 4, beta=0.0, **dict(kw, num_ctas=3))
     free = make_plan([1, 1, 1], [0, 0, 0], [0] * 3, alpha=0.0, **dict(kw, num_ctas=3))
     assert free.num_items == 3 * 8
+
+
+def test_short_requests_are_not_split_for_a_small_gain():
+    """Splitting 80-key decode requests would shorten the predicted makespan by 16 keys' work
+    but add a merge launch: the plan keeps them whole (MERGE_ITEMS). Requests ten times longer
+    are still split, and the linear partition still cuts one long request."""
+    kw = dict(num_qo_heads=32, num_kv_heads=8, rows_per_cta=16, num_ctas=396, causal=True,
+              window_left=None)
+    short = make_plan([1] * 16, [80] * 16, [0] * 16, **kw)
+    assert len(short.merge_rows) == 0 and short.num_items == 16 * 8
+    longer = make_plan([1] * 16, [1152] * 16, [0] * 16, **kw)
+    assert len(longer.merge_rows) == 16 * 32
+    one = make_plan([1], [32768], [0], **kw)
+    assert len(one.merge_rows) == 32
