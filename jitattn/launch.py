@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dtypes, jit, render
+from . import dtypes, jit, load, render
 from .dsl import ScalarParam
 
 
@@ -112,15 +112,17 @@ _ATTENTION_KINDS = ("ptr",) * 14 + ("i32",) * 7 + ("i64", "i32", "ptr", "i32") +
 _KINDS: dict = {}
 
 
-def _attention_kinds(variant) -> tuple:
-    """The attention kernels' argument kinds for ``variant`` (its runtime parameters last: a
-    float per scalar, a pointer and an int per dimension per tensor); one tuple per variant."""
-    kinds = _KINDS.get(variant.key)
+def _attention_kinds(variant, tma: bool = False) -> tuple:
+    """The attention kernels' argument kinds for ``variant`` (its runtime parameters: a float
+    per scalar, a pointer and an int per dimension per tensor; then, for the kernels that copy
+    with TMA, kv_tma and the two maps); one tuple per variant and kernel family."""
+    kinds = _KINDS.get((variant.key, tma))
     if kinds is None:
         extra = []
         for p in variant.params:
             extra += ["f32"] if isinstance(p, ScalarParam) else ["ptr"] + ["i32"] * len(p.shape)
-        kinds = _KINDS[variant.key] = _ATTENTION_KINDS + tuple(extra)
+        kinds = _KINDS[(variant.key, tma)] = _ATTENTION_KINDS + tuple(extra) + \
+            (("i32", "tmaps") if tma else ())
     return kinds
 
 
@@ -149,6 +151,46 @@ def attention_args(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int
             values.append(t.data_ptr())
             values += t.shape
     return _attention_kinds(variant), values
+
+
+_TMA_DTYPES = {torch.float16: load.TMA_FLOAT16, torch.bfloat16: load.TMA_BFLOAT16}
+_TMA_MAPS: dict = {}
+_NO_MAPS = bytes(256)
+
+
+def _tma_map(t: torch.Tensor, box_rows: int) -> bytes | None:
+    """The TMA map of ragged k or v ([rows, num_kv_heads, head_dim], head_dim contiguous) with
+    boxes of 64 columns x 1 head x box_rows rows, or None where TMA cannot address it (TMA
+    needs a 16-byte aligned start and strides in multiples of 16 bytes); memoised by address,
+    shape and strides."""
+    key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), box_rows)
+    if key in _TMA_MAPS:
+        return _TMA_MAPS[key]
+    es = t.element_size()
+    rows, heads, head_dim = t.shape
+    if t.dtype not in _TMA_DTYPES or t.stride(2) != 1 or rows == 0 or t.data_ptr() % 16 or \
+            (t.stride(1) * es) % 16 or (t.stride(0) * es) % 16:
+        tmap = None
+    else:
+        tmap = load.tensor_map(_TMA_DTYPES[t.dtype], t.data_ptr(), (head_dim, heads, rows),
+                               (t.stride(1) * es, t.stride(0) * es), (64, 1, box_rows))
+    if len(_TMA_MAPS) >= 256:
+        _TMA_MAPS.clear()
+    _TMA_MAPS[key] = tmap
+    return tmap
+
+
+def tma_values(kv: KVView, box_rows: int) -> tuple:
+    """The last arguments of the kernels that copy with TMA (render.RenderedSource.tma): kv_tma
+    (1 when both maps exist) and the TMA maps of ragged k and v with boxes of box_rows rows,
+    k's then v's (zeros for a paged cache, which TMA cannot gather, or where _tma_map refuses:
+    the kernel then copies with cp.async)."""
+    k_map = v_map = None
+    if kv.kv_indices is None:
+        k_map, v_map = _tma_map(kv.k, box_rows), _tma_map(kv.v, box_rows)
+    if k_map is None or v_map is None:
+        return 0, _NO_MAPS
+    return 1, k_map + v_map
 
 
 # torch's current CUDA stream of a device as a raw pointer: the binding torch.compile's
@@ -186,6 +228,9 @@ def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
     index = device_index(q)
     kernel = jit.get_kernel(variant, backend="cuda", kind=kind, dtype_tag=tag,
                             head_dim=head_dim, device_index=index, kv_tag=kv_tag)
+    if kernel.tma:
+        kinds = _attention_kinds(variant, tma=True)
+        values += tma_values(kv, kernel.kv_tile)
     if plan is not None:
         grid = (plan.num_ctas, 1, 1)
     else:

@@ -3,8 +3,9 @@ library through ctypes. (The first design named cupy.RawModule; importing CuPy a
 100-400 ms, more than the whole warm-load budget, so the driver is called directly. CuPy
 remains the NVRTC fallback when nvcc is missing.)
 
-Kernels take their arguments as a tuple of kinds (``"ptr" | "i32" | "i64" | "f32"``) and a list
-of values, so one argument list (built in launch.py) serves both backends.
+Kernels take their arguments as a tuple of kinds (``"ptr" | "i32" | "i64" | "f32"``, and for
+CUDA kernels ``"tmaps"``: two TMA tensor maps, 256 bytes) and a list of values, so one argument
+list (built in launch.py) serves both backends.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 
 from .render import RenderedSource
 
-_STRUCT = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
+_STRUCT = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f", "tmaps": "256s"}
+_ALIGN = {"ptr": 8, "i32": 4, "i64": 8, "f32": 4, "tmaps": 64}  # as the kernel's parameters
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int, "i64": ctypes.c_longlong,
            "f32": ctypes.c_float}
 
@@ -28,18 +30,21 @@ class _ParamBuffer:
 
     def __init__(self, kinds: tuple):
         self.kinds = kinds
-        self.format = "@" + "".join(_STRUCT[k] for k in kinds)
-        self.buffer = ctypes.create_string_buffer(max(8, struct.calcsize(self.format)))
-        base = ctypes.addressof(self.buffer)
-        offsets, fmt = [], "@"
+        offsets, fmt, size = [], "=", 0  # standard sizes, the alignment padding spelled out
         for k in kinds:
-            fmt += _STRUCT[k]
-            offsets.append(struct.calcsize(fmt) - struct.calcsize("@" + _STRUCT[k]))
+            pad = -size % _ALIGN[k]
+            fmt += f"{pad}x{_STRUCT[k]}" if pad else _STRUCT[k]
+            offsets.append(size + pad)
+            size += pad + struct.calcsize("=" + _STRUCT[k])
+        self.format = fmt
+        self.buffer = ctypes.create_string_buffer(max(8, size) + 64)
+        self.start = -ctypes.addressof(self.buffer) % 64  # a 64-byte aligned start
+        base = ctypes.addressof(self.buffer) + self.start
         self.pointers = (ctypes.c_void_p * len(kinds))(*(base + o for o in offsets))
         self.address = ctypes.addressof(self.pointers)
 
     def pack(self, values) -> int:
-        struct.pack_into(self.format, self.buffer, 0, *values)
+        struct.pack_into(self.format, self.buffer, self.start, *values)
         return self.address
 
 
@@ -60,7 +65,8 @@ class _Driver:
                "cuLaunchKernel": [vp, u, u, u, u, u, u, u, vp, vp, vp],
                "cuGetErrorString": [i, ctypes.POINTER(ctypes.c_char_p)],
                "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.POINTER(i), vp, i,
-                                                               ctypes.c_size_t]}
+                                                               ctypes.c_size_t],
+               "cuTensorMapEncodeTiled": [vp, i, u, vp, vp, vp, vp, vp, i, i, i, i]}
         for name, argtypes in sig.items():
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = i
@@ -99,6 +105,27 @@ class _Driver:
             self.lib.cuCtxPopCurrent_v2(ctypes.byref(current))
 
 
+    def encode_tiled(self, data_type: int, address: int, dims: tuple, strides: tuple,
+                     box: tuple) -> bytes | None:
+        """A TMA tensor map (CUtensorMap, 128 bytes) of the tensor at ``address``: ``dims``
+        innermost first, ``strides`` in bytes of dims 1.. , boxes of ``box`` elements, no
+        interleave, 128-byte swizzle, L2 promotion of 256 bytes, zero fill out of bounds;
+        None where the driver refuses it (addresses or strides TMA cannot take)."""
+        u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+        rank = len(dims)
+        out = ctypes.create_string_buffer(128 + 64)
+        at = ctypes.addressof(out) + (-ctypes.addressof(out) % 64)
+        rc = self.lib.cuTensorMapEncodeTiled(
+            ctypes.c_void_p(at), data_type, rank, ctypes.c_void_p(address),
+            (u64 * rank)(*dims), (u64 * (rank - 1))(*strides), (u32 * rank)(*box),
+            (u32 * rank)(*([1] * rank)), 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+        return ctypes.string_at(at, 128) if rc == 0 else None
+
+
+# cuda.h's CUtensorMapDataType, CUtensorMapSwizzle and CUtensorMapL2promotion values
+TMA_FLOAT16, TMA_BFLOAT16 = 6, 9
+_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
+
 _DRIVER: _Driver | None = None
 
 
@@ -123,6 +150,7 @@ class CudaKernel:
     rows_per_cta: int
     kind: str
     kv_tile: int = 0          # keys per K/V tile (0: the merge kernel)
+    tma: bool = False         # wgmma: takes kv_tma and TMA maps of k and v last (launch.py)
     _params: _ParamBuffer | None = None
 
     def resident_ctas_per_sm(self) -> int:
@@ -189,7 +217,13 @@ def load_cuda(path: Path, src: RenderedSource, device_index: int) -> CudaKernel:
                           rows_per_cta=4, kind=src.kind)
     return CudaKernel(function.value, device_index, threads=32 * src.tiles.num_warps,
                       smem_bytes=smem, rows_per_cta=src.tiles.rows_per_cta(src.kind),
-                      kind=src.kind, kv_tile=src.tiles.kv_tile)
+                      kind=src.kind, kv_tile=src.tiles.kv_tile, tma=src.tma)
+
+
+def tensor_map(data_type: int, address: int, dims: tuple, strides: tuple,
+               box: tuple) -> bytes | None:
+    """A TMA tensor map through the driver (_Driver.encode_tiled), or None."""
+    return _driver().encode_tiled(data_type, address, dims, strides, box)
 
 
 def load_cpu(path: Path, src: RenderedSource) -> CpuKernel:

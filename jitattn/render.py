@@ -125,6 +125,14 @@ class RenderedSource:
     kv_fp8: bool = False           # CUDA attention: the KV cache is fp8 e4m3
     rope: bool = False             # the variant rotates Q and K (RoPE)
 
+    @property
+    def tma(self) -> bool:
+        """Whether the kernel copies ragged K / V tiles with TMA and so takes kv_tma and the
+        two tensor maps as its last arguments (launch.tma_values): the wgmma kernels at
+        head_dim 64 and 128. (At 256 the copy's coordinates cost the two registers that made
+        ptxas spill 12-24 bytes.)"""
+        return self.tiles is not None and self.tiles.wgmma and self.head_dim <= 128
+
     def smem_bytes(self) -> int:
         """Dynamic shared memory of a CUDA attention kernel (0 without tiles)."""
         return self.tiles.smem_bytes(self.kind, self.head_dim, self.kv_fp8, self.rope) \
@@ -221,7 +229,8 @@ def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
         version=__version__, kind=kind, variant=variant, dtype_tag=dtype_tag,
         dtype=dtypes.CTYPE["cuda"][dtype_tag], kv_dtype=dtypes.CTYPE["cuda"][kv_tag],
         head_dim=head_dim, num_warps=tiles.num_warps, rows=tiles.rows, kv_tile=tiles.kv_tile,
-        stages=tiles.stages, wgmma=tiles.wgmma, entry=entry, param_args=decls, param_names=names,
+        stages=tiles.stages, wgmma=tiles.wgmma, tma=tiles.wgmma and head_dim <= 128,
+        entry=entry, param_args=decls, param_names=names,
         variant_code=render_variant(variant, backend="cuda", head_dim=head_dim))
     return RenderedSource(
         code=code, lang="cuda", name=f"{variant.key}-{kind}-{dtype_tag}"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import jitattn as ja
-from jitattn import catalog, reference
+from jitattn import catalog, launch, reference
 
 from helpers import (TOL, check, check_batch, check_linear_partition, compare,
                      every_feature_variant, make_batch, make_paged, quantize_fp8)
@@ -232,6 +232,39 @@ def test_ragged_kv_prefill_gpu():
     torch.testing.assert_close(out, ref_o.to(out.dtype), **TOL[torch.bfloat16])
     finite = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=1e-2, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 128), (torch.bfloat16, 64)],
+                         ids=["f16-d128", "bf16-d64"])
+def test_tma_copy_equals_the_cp_async_copy(dtype, head_dim, monkeypatch):
+    """Ragged K / V on the wgmma prefill: TMA copies the whole tiles (kv_tma = 1 for these
+    tensors), cp.async each range's last, partial tile. Outputs are bit-identical to copying
+    every tile with cp.async and match the reference; the rows after k / v in memory (NaN
+    here) are never read."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA copy is in the sm_90a kernels")
+    qo_lens, kv_lens = [3, 0, 300, 1, 700, 129], [9, 4, 300, 1000, 129, 640]
+    q, k, v, qo_indptr, kv_indptr = make_batch(qo_lens, kv_lens, 32, 8, head_dim, dtype,
+                                               "cuda", seed=43)
+
+    def poisoned(t):  # t, followed in memory by NaN rows
+        buf = torch.full((t.shape[0] + 300, *t.shape[1:]), float("nan"), dtype=t.dtype,
+                         device=t.device)
+        buf[:t.shape[0]] = t
+        return buf[:t.shape[0]]
+
+    k, v = poisoned(k), poisoned(v)
+    assert launch.tma_values(launch.KVView.ragged(k, v), 128)[0] == 1
+    for variant in (ja.Variant("causal", mask="causal"),
+                    ja.Variant("softcap", score_mod=ja.soft_cap(30.0))):
+        check(variant, {}, q, k, v, qo_indptr, kv_indptr)
+        out, lse = ja.attention(q, k, v, variant, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                                return_lse=True)
+        with monkeypatch.context() as m:
+            m.setattr(launch, "tma_values", lambda kv, box_rows: (0, bytes(256)))
+            out_cp, lse_cp = ja.attention(q, k, v, variant, qo_indptr=qo_indptr,
+                                          kv_indptr=kv_indptr, return_lse=True)
+        assert torch.equal(out, out_cp) and torch.equal(lse, lse_cp)
 
 
 def test_batch_decode_under_inductor_fullgraph():

@@ -78,3 +78,24 @@ def test_cuda_launch_packs_every_argument_in_order(monkeypatch):
     kernel.launch((1, 1, 1), merge_kinds, merge_values, 0)  # another signature: a new buffer
     assert kernel._params is not buffer
     assert _read_back(merge_kinds, fake.launches[-1][4]) == merge_values
+
+
+def test_tma_maps_are_packed_64_byte_aligned(monkeypatch):
+    """The TMA kernels' last two arguments: kv_tma and both maps as one 256-byte parameter
+    (KVMaps, 64-byte aligned in the kernel's parameter space and so in the packed buffer),
+    after an odd number of 4-byte arguments."""
+    fake = _FakeDriver()
+    monkeypatch.setattr(load, "_DRIVER", fake)
+    variant = ja.Variant("tma_packing", mask="causal")
+    kinds = launch._attention_kinds(variant, tma=True)
+    assert kinds[:-2] == launch._attention_kinds(variant) and kinds[-2:] == ("i32", "tmaps")
+    maps = bytes(range(256))
+    values = list(range(1, len(kinds) - 1)) + [1, maps]
+    kernel = load.CudaKernel(function=1, device_index=0, threads=256, smem_bytes=0,
+                             rows_per_cta=128, kind="prefill", tma=True)
+    kernel.launch((1, 1, 1), kinds, values, 0)
+    params = fake.launches[-1][4]
+    pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+    assert ctypes.string_at(pointers[len(kinds) - 1], 256) == maps
+    assert pointers[len(kinds) - 1] % 64 == 0
+    assert _read_back(kinds[:-1], params) == values[:-1]

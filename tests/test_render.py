@@ -155,6 +155,21 @@ def test_tiles_per_arch_and_shared_memory():
         16 * 136 * 2 + 2 * 64 * 136 * 2 + dec.stages * 2 * 64 * 128
 
 
+def test_tma_kernels_take_the_maps_last():
+    """The wgmma prefill at head_dim 64 / 128 copies ragged K / V with TMA and takes kv_tma and
+    the two maps as its last parameters (what launch.tma_values appends); head_dim 256, the
+    mma.sync kernels and decode take neither."""
+    v = ja.Variant("causal", mask="causal")
+    for kind, d, arch, tma in (("prefill", 128, "sm_90a", True), ("prefill", 64, "sm_90a", True),
+                               ("prefill", 256, "sm_90a", False), ("prefill", 128, "sm_80", False),
+                               ("decode", 128, "sm_90a", False)):
+        src = render.render_cuda(v, kind=kind, dtype_tag="f16", head_dim=d, arch=arch)
+        assert src.tma == tma, (kind, d, arch)
+        signature = src.code.split(f"{src.entries[0]}(")[1].split(")")[0]
+        assert signature.rstrip().endswith("const __grid_constant__ ja::KVMaps kv_maps") == tma
+        assert ("int kv_tma" in signature) == tma
+
+
 def test_ahead_of_time_compile_builds_what_the_runtime_loads(tmp_path, monkeypatch):
     """`jitattn compile --arch sm_90a` must render the kernels get_kernel would pick on that
     arch (wgmma prefill), or the first call builds again: same cache key."""

@@ -86,7 +86,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // tile before their first use.
   // Within a work item the two warpgroups do not meet at block barriers: warpgroup 0 copies
   // the K tiles and warpgroup 1 the V tiles (cp.async, completion signalled on an mbarrier
-  // per stage: full), every thread signals when its warpgroup's products no longer read a
+  // per stage: full; ragged K / V at head_dim 64 / 128: one thread's TMA copy of each whole
+  // tile, completing its bytes on the same barrier), every thread signals when its warpgroup's products no longer read a
   // stage (empty), and the two warpgroups take turns issuing their products (two named
   // barriers; FlashAttention-3's ping-pong, section 3.1), so that one's softmax runs under the
   // other's products. Warpgroup 0 leads by about half a tile: it copies K, which both read
@@ -144,6 +145,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         mbar_init(&empty_k[i], 256);
         mbar_init(&empty_v[i], 256);
       }
+    if (threadIdx.x == 0) fence_mbar_init();  // before the TMA unit's first complete_tx
     __syncthreads();
     if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
   }
@@ -242,6 +244,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     // constants. (The generic copy above costs 46 instructions per row in address arithmetic
     // here; two threads per row, 32 bytes each, quadrupled the L2 requests; ncu, session 5.)
     constexpr int WS_ROWS = BLOCK_N / 16, PANELS = HEAD_DIM / 64;  // per thread and tile
+    // ragged K / V through TMA when the host passed the maps (kv_tma; render.py's tma: not at
+    // head_dim 256, where the copy's coordinates made ptxas spill)
+    constexpr bool TMA = WGMMA && HEAD_DIM <= 128;
     const int ws_r0 = (threadIdx.x % 128) / 8, ws_q = threadIdx.x % 8;
     const KVLayout ws_layout = wg == 0 ? a.k_layout : a.v_layout;
     const char* ws_head = reinterpret_cast<const char*>(
@@ -263,6 +268,24 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       if (use > 0) mbar_wait(wg == 0 ? &empty_k[stage] : &empty_v[stage], (use - 1) & 1);
       const unsigned base = smem_addr(kv_s + (stage * 2 + wg) * BLOCK_N * TILE_ROW) + ws_dst;
       const int t0 = range.x + t * BLOCK_N;
+      if (TMA && a.kv_tma && t0 + BLOCK_N <= range.y) {
+        // ragged, a whole tile of the range: TMA, one box of BLOCK_N rows per 64-column panel,
+        // issued by one thread; the other 127 only arrive. (The last, partial tile of a range
+        // is copied below, zero-filled past it, so that no row of another request, which may
+        // hold anything, enters a product.)
+        unsigned long long* full = wg == 0 ? &full_k[stage] : &full_v[stage];
+        if (threadIdx.x % 128 == 0) {
+          mbar_arrive_expect_tx(full, PANELS * BLOCK_N * 128);
+          const unsigned tile = smem_addr(kv_s + (stage * 2 + wg) * BLOCK_N * TILE_ROW);
+#pragma unroll
+          for (int pn = 0; pn < PANELS; ++pn)
+            tma_load_3d(tile + pn * BLOCK_N * 128, &a.kv_maps->k + wg, pn * 64, w.hk,
+                        req.kv_start + t0, full);
+        } else {
+          mbar_arrive(full);
+        }
+        return;
+      }
       if (ws_layout.kv_indices == nullptr) {
         // ragged: the thread's rows are 16 rows apart in k / v, a fixed step from the first
         // (the general path below spends about 12 instructions a row on its address)

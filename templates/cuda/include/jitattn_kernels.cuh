@@ -10,6 +10,16 @@
 
 namespace ja {
 
+// A TMA tensor map (the driver's CUtensorMap: 128 opaque bytes, 64-byte aligned), encoded on
+// the host (load.py, cuTensorMapEncodeTiled) and passed by value as a __grid_constant__
+// kernel parameter, whose address the TMA copy takes
+struct alignas(64) TmaMap {
+  unsigned long long words[16];
+};
+struct KVMaps {  // k's, then v's: one kernel parameter
+  TmaMap k, v;
+};
+
 template <typename DType, typename KVType = DType>
 struct Args {
   const DType* q;  // [total_q, num_qo_heads, HEAD_DIM], strides (q_stride_n, q_stride_h, 1)
@@ -31,6 +41,13 @@ struct Args {
   int q_stride_h;
   KVLayout k_layout, v_layout;
   float sm_scale;
+  // wgmma kernels over ragged K / V, when kv_tma: TMA maps of k and v as
+  // [rows][num_kv_heads][HEAD_DIM] (innermost first: HEAD_DIM, heads, rows) with boxes of 64
+  // columns x 1 head x BLOCK_N rows and the 128-byte swizzle of the shared panels. kv_tma is 0
+  // where the host could not encode them (strides or addresses TMA cannot take), for a paged
+  // cache and in the other kernels: K / V are then copied by cp.async
+  int kv_tma = 0;
+  const KVMaps* kv_maps = nullptr;
 };
 
 // One unit of work: packed rows [row0, row0 + ROWS_CTA) of request b on kv head hk, over keys

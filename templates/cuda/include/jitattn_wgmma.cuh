@@ -34,6 +34,29 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
 }
+// TMA (PTX ISA "cp.async.bulk.tensor", "Tensor Map"): one thread copies a box of a tensor
+// described by a TmaMap into shared memory (async proxy), the map's swizzle applied, and the
+// copy's bytes complete a transaction count on an mbarrier. arrive_expect_tx is one of the
+// barrier's arrivals and raises the bytes the phase waits for; the phase completes once all
+// arrivals are in and all those bytes have landed.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+               :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// makes mbarrier.init (generic proxy) visible to the TMA unit's transactions on the barriers
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" :::
+               "memory");
+}
+// The box at coordinates (c0, c1, c2), innermost first, of `map` into shared memory at `dst`
+// (1024-byte aligned for the 128-byte swizzle), completing its bytes on `bar`
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap* map, int c0, int c1,
+                                            int c2, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4}], [%5];\n"
+               :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1),
+                  "r"(c2), "r"(smem_addr(bar)) : "memory");
+}
 // cp.async (generic proxy) writes become visible to wgmma's operand reads (async proxy)
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
