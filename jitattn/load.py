@@ -68,6 +68,8 @@ class _Driver:
                                                                ctypes.c_size_t],
                "cuTensorMapEncodeTiled": [vp, i, u, vp, vp, vp, vp, vp, i, i, i, i]}
         for name, argtypes in sig.items():
+            if name == "cuTensorMapEncodeTiled" and not hasattr(lib, name):
+                continue  # drivers before CUDA 12: no TMA maps (encode_tiled gives None)
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = i
         self.lib = lib
@@ -110,7 +112,10 @@ class _Driver:
         """A TMA tensor map (CUtensorMap, 128 bytes) of the tensor at ``address``: ``dims``
         innermost first, ``strides`` in bytes of dims 1.. , boxes of ``box`` elements, no
         interleave, 128-byte swizzle, L2 promotion of 256 bytes, zero fill out of bounds;
-        None where the driver refuses it (addresses or strides TMA cannot take)."""
+        None where the driver refuses it (addresses or strides TMA cannot take) or has no TMA
+        (before CUDA 12)."""
+        if not hasattr(self.lib, "cuTensorMapEncodeTiled"):
+            return None
         u64, u32 = ctypes.c_uint64, ctypes.c_uint32
         rank = len(dims)
         out = ctypes.create_string_buffer(128 + 64)

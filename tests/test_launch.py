@@ -99,3 +99,12 @@ def test_tma_maps_are_packed_64_byte_aligned(monkeypatch):
     assert ctypes.string_at(pointers[len(kinds) - 1], 256) == maps
     assert pointers[len(kinds) - 1] % 64 == 0
     assert _read_back(kinds[:-1], params) == values[:-1]
+
+
+def test_a_driver_without_tma_maps_falls_back_to_cp_async():
+    """A driver before CUDA 12 has no cuTensorMapEncodeTiled: no map, so kv_tma = 0 (the
+    kernels then copy K / V with cp.async) rather than an error."""
+    drv = object.__new__(load._Driver)
+    drv.lib = object()  # no symbols at all
+    assert drv.encode_tiled(load.TMA_FLOAT16, 1 << 20, (128, 8, 100), (256, 2048),
+                            (64, 1, 128)) is None
