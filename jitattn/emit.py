@@ -202,11 +202,13 @@ def kv_linear(score):
         score.args[0] if is_sym(score.args[1], "score") else None
     if bias is None or "score" in _symbols(bias, {}):
         return None
-    cst = None
-    if bias.op == "+" and row_invariant(bias.args[1]) and not row_invariant(bias.args[0]):
-        bias, cst = bias.args
-    elif bias.op == "+" and row_invariant(bias.args[0]) and not row_invariant(bias.args[1]):
-        cst, bias = bias.args
+    cst = None  # (a float bias only: an int one is exact in the traced form, and is kept whole
+    #             in off, so that the kernels convert one exact int, not two that cancel)
+    if bias.kind == "float" and bias.op == "+":
+        if row_invariant(bias.args[1]) and not row_invariant(bias.args[0]):
+            bias, cst = bias.args
+        elif row_invariant(bias.args[0]) and not row_invariant(bias.args[1]):
+            cst, bias = bias.args
     coef, term = None, bias
     if bias.op == "*":
         x, y = bias.args

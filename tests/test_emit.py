@@ -174,6 +174,8 @@ _LINEAR = {
     "constant_first": (lambda s, b, h, q, k: (_SHIFT[h] + (k - q + 3) * _SLOPES[h]) + s, 1),
     "unit_slope": (lambda s, b, h, q, k: s + (k - q), 1),
     "keys_only": (lambda s, b, h, q, k: s + _SLOPES[h] * k, 1),
+    "int_offset_term": (lambda s, b, h, q, k: s + (k + (-q)), 1),
+    "int_offset_first": (lambda s, b, h, q, k: s + (-q + k), 1),
 }
 _NOT_LINEAR = {
     "soft_cap": ja.soft_cap(30.0),
@@ -200,8 +202,8 @@ def test_kv_linear_form_equals_the_score_mod_in_cpp(tmp_path):
     """The generated Variant::kv_linear coefficients, evaluated as the CUDA kernels do (the
     bias at a tile's first key from an exact int, then two fused multiply-adds per score),
     against the traced score_mod compiled from the same source, over random scores, heads,
-    positions up to 2**20 and column offsets 0..31; within a few float32 roundings of the
-    bias."""
+    positions up to 2**20 and 2**29 and column offsets 0..31; within a few float32 roundings
+    of the bias (an int bias converted once, as the traced form does)."""
     from jitattn import render
     rng = random.Random(5)
     blocks = []
@@ -211,8 +213,9 @@ def test_kv_linear_form_equals_the_score_mod_in_cpp(tmp_path):
         code = code.replace("// RoPE angular", "}\n// RoPE angular", 1)
         code = code.replace("JA_ROPE_TABLE float kRopeInvFreq", f"static const float rope{i}", 1)
         blocks.append(code)
-    cases = [(rng.uniform(-30, 30), rng.randrange(8), rng.randint(-(1 << 20), 1 << 20),
-              rng.randint(0, 1 << 20), rng.randrange(32)) for _ in range(200)]
+    cases = [(rng.uniform(-30, 30), rng.randrange(8), rng.randint(-top, top), rng.randint(0, top),
+              rng.randrange(32)) for top in (1 << 20, 1 << 29) for _ in range(100)]
+    cases += [(0.5, 3, q, q, c) for q in ((1 << 25) + 1, 999_999_937) for c in (0, 31)]
     body = []
     for i in range(len(_LINEAR)):
         body.append(f"  {{ v{i}::VariantParams p{{}};")
