@@ -97,8 +97,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
         q and k/v; both or neither (then q, k, v are one request). Read on the host: pass CPU
         tensors to avoid a device sync.
     sm_scale: > 0, multiplies q.k before score_mod; default 1 / sqrt(head_dim).
-    out, lse: optional preallocated outputs (contiguous, 16-byte aligned, shapes and dtypes as
-        returned below); every element is written.
+    out, lse: optional preallocated outputs (contiguous, shapes and dtypes as returned below;
+        out 16-byte aligned); every element is written.
     params: the variant's runtime parameters by name (``variant.runtime_param_names``).
     Returns out [total_q, num_qo_heads, head_dim] (q's dtype), and with return_lse also lse
     [total_q, num_qo_heads] float32, natural log; rows that see no key give out 0, lse -inf.
@@ -151,7 +151,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     sm_scale = launch.resolve_sm_scale(sm_scale, head_dim)
 
     out = launch.output_buffer("out", out, (total_q, hq, head_dim), q.dtype, q.device)
-    lse = launch.output_buffer("lse", lse, (total_q, hq), torch.float32, q.device)
+    lse = launch.output_buffer("lse", lse, (total_q, hq), torch.float32, q.device, align=4)
     if total_q > 0:
         _launch(q, k, v, out, lse, variant, bound, qo_indptr is not None, qo_host, kv_host,
                 batch, max_qo, float(sm_scale))

@@ -307,7 +307,7 @@ class BatchPrefill:
         q: [total_q, num_qo_heads, head_dim] (planned dtype). kv_cache: (k_cache, v_cache) with
         pages laid out as kv_layout, or one [num_pages, 2, ...] tensor, of the planned kv_dtype.
         out / lse: optional outputs [total_q, num_qo_heads, head_dim] / [total_q, num_qo_heads],
-            contiguous and 16-byte aligned.
+            contiguous (out 16-byte aligned).
         k_scale / v_scale: Python floats, the caches' dequantization scales (K = k_scale *
             k_cache, V = v_scale * v_cache; for fp8 caches quantized per tensor). k_scale is
             folded into the softmax scale, v_scale multiplies the output.
@@ -339,7 +339,7 @@ class BatchPrefill:
         bound = self.variant.bind(params, device=q.device, sizes=pl["sizes"])
         shape = (pl["total_q"], pl["num_qo_heads"], pl["head_dim"])
         out = launch.output_buffer("out", out, shape, q.dtype, q.device)
-        lse = launch.output_buffer("lse", lse, shape[:2], torch.float32, q.device)
+        lse = launch.output_buffer("lse", lse, shape[:2], torch.float32, q.device, align=4)
         device_plan = self._device_plan
         kv = launch.KVView.ragged(k_cache, v_cache) if self.kv_layout == "ragged" else \
             launch.KVView.paged(k_cache, v_cache, ws.view("kv_indices"), self.kv_layout)

@@ -84,9 +84,10 @@ class DevicePlan:
             self.mask_bits, self.token_pos))
 
 
-def output_buffer(name, t, shape, dtype, device):
+def output_buffer(name, t, shape, dtype, device, align: int = 16):
     """A new output tensor, or the caller's after checking it fits: the shape, dtype and
-    device, contiguous, 16-byte aligned (the kernels store whole 16-byte chunks of a row)."""
+    device, contiguous, its start a multiple of ``align`` bytes (out: 16, the kernels store
+    whole 16-byte chunks of a row; lse: 4, stored a float at a time)."""
     if t is None:
         return torch.empty(shape, dtype=dtype, device=device)
     if not isinstance(t, torch.Tensor):
@@ -96,9 +97,10 @@ def output_buffer(name, t, shape, dtype, device):
                          f"{tuple(shape)} {dtype} on {device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
-    if t.data_ptr() % 16:
-        raise ValueError(f"{name} starts at address {t.data_ptr():#x}, not 16-byte aligned; "
-                         f"expected a tensor from torch.empty or a view at a 16-byte offset")
+    if t.data_ptr() % align:
+        raise ValueError(f"{name} starts at address {t.data_ptr():#x}, not {align}-byte "
+                         f"aligned; expected a tensor from torch.empty or a view at a "
+                         f"{align}-byte offset")
     return t
 
 

@@ -151,3 +151,14 @@ def test_out_must_be_16_byte_aligned():
     with pytest.raises(ValueError, match="out starts at address .* not 16-byte aligned"):
         ja.attention(q, k, v, V, out=out)
     ja.attention(q, k, v, V, out=buf[8:].view(q.shape))  # 16 bytes in: accepted
+
+
+def test_lse_needs_only_float_alignment():
+    """lse is stored a float at a time: a view 4 bytes into a buffer is taken and filled."""
+    q, k, v = qkv()
+    want_out, want_lse = ja.attention(q, k, v, V, return_lse=True)
+    buf = torch.full((want_lse.numel() + 1,), float("nan"))
+    lse = buf[1:].view(want_lse.shape)  # 4 bytes past an aligned start
+    out, got = ja.attention(q, k, v, V, lse=lse, return_lse=True)
+    assert got.data_ptr() == lse.data_ptr() and torch.equal(got, want_lse)
+    assert torch.equal(out, want_out)
