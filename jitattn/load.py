@@ -48,6 +48,11 @@ class _ParamBuffer:
         return self.address
 
 
+# cuda.h's CUtensorMapDataType, CUtensorMapSwizzle and CUtensorMapL2promotion values
+TMA_FLOAT16, TMA_BFLOAT16 = 6, 9
+_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
+
+
 class _Driver:
     """The few CUDA driver API calls jitattn needs, through ctypes on libcuda. Modules are loaded
     into the device's primary context, the one PyTorch's runtime uses."""
@@ -106,7 +111,6 @@ class _Driver:
         finally:
             self.lib.cuCtxPopCurrent_v2(ctypes.byref(current))
 
-
     def encode_tiled(self, data_type: int, address: int, dims: tuple, strides: tuple,
                      box: tuple) -> bytes | None:
         """A TMA tensor map (CUtensorMap, 128 bytes) of the tensor at ``address``: ``dims``
@@ -126,10 +130,6 @@ class _Driver:
             (u32 * rank)(*([1] * rank)), 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
         return ctypes.string_at(at, 128) if rc == 0 else None
 
-
-# cuda.h's CUtensorMapDataType, CUtensorMapSwizzle and CUtensorMapL2promotion values
-TMA_FLOAT16, TMA_BFLOAT16 = 6, 9
-_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
 
 _DRIVER: _Driver | None = None
 

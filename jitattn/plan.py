@@ -337,6 +337,9 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
                 int(split.sum()) * rows_per_cta <= max_partial_rows) and \
             (max_items is None or len(chunks["lo"]) <= max_items)
 
+    def cost(chunks):  # per chunk: alpha per row of the item plus beta per key
+        return alpha * rows_per_cta + beta * (chunks["hi"] - chunks["lo"]).astype(np.float64)
+
     tiles = make_tiles(skip=True)
     # KV chunk cap: ceil(W / (k C)), with k (chunks per CTA on average) chosen by predicting
     # the makespan of each candidate; k = 1 is the paper's rule, larger k evens out the waves
@@ -358,7 +361,7 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
             tiles = make_tiles(skip=False)
             chunks = _chunks(tiles, cap, kv_tile)
             split = _split_keys(tiles, chunks)
-        costs = alpha * rows_per_cta + beta * (chunks["hi"] - chunks["lo"]).astype(np.float64)
+        costs = cost(chunks)
         if best is not None and max(costs.max(initial=0.0), costs.sum() / num_ctas) >= \
                 best[0] - 1e-9:
             continue  # its lower bound already loses to the best makespan
@@ -371,13 +374,13 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
         split = _split_keys(tiles, chunks)
         if fits(chunks, split) and makespan < best[0] * (1 - FILL_MARGIN):
             cap = int((chunks["hi"] - chunks["lo"]).max())
-            costs = alpha * rows_per_cta + beta * (chunks["hi"] - chunks["lo"]).astype(np.float64)
+            costs = cost(chunks)
             best = (makespan, cap, chunks, split, costs, cta, rank)
     if split_kv and best[3].any():  # against the plan without splits (MERGE_ITEMS)
         chunks = _chunks(tiles, 1 << 30, kv_tile)
         split = _split_keys(tiles, chunks)
         if not split.any() and fits(chunks, split):
-            costs = alpha * rows_per_cta + beta * (chunks["hi"] - chunks["lo"]).astype(np.float64)
+            costs = cost(chunks)
             cta, rank, makespan = _assign(costs, num_ctas)
             if makespan <= best[0] + MERGE_ITEMS * alpha * rows_per_cta:
                 best = (makespan, 1 << 30, chunks, split, costs, cta, rank)
