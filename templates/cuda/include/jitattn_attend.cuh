@@ -84,17 +84,17 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // receives K of tile i + STAGES, and O += P_{i-1} V_{i-1} with V's slot (i - 1) % STAGES,
   // which receives V of tile i + STAGES - 1: with two slots each, both are copied a whole
   // tile before their first use.
-  // Within a work item the two warpgroups do not meet at block barriers: warpgroup 0 copies
-  // the K tiles and warpgroup 1 the V tiles (cp.async, completion signalled on an mbarrier
-  // per stage: full; ragged K / V at head_dim 64 / 128: one thread's TMA copy of each whole
-  // tile, completing its bytes on the same barrier), every thread signals when its warpgroup's products no longer read a
-  // stage (empty), and the two warpgroups take turns issuing their products (two named
+  // Within a work item the two warpgroups do not meet at block barriers: warpgroup 0 copies the K
+  // tiles and warpgroup 1 the V tiles (cp.async, completion signalled on an mbarrier per stage:
+  // full; ragged K / V at head_dim 64 / 128: one thread's TMA copy of each whole tile, completing
+  // its bytes on the same barrier), every thread signals when its warpgroup's products no longer
+  // read a stage (empty), and the two warpgroups take turns issuing their products (two named
   // barriers; FlashAttention-3's ping-pong, section 3.1), so that one's softmax runs under the
-  // other's products. Warpgroup 0 leads by about half a tile: it copies K, which both read
-  // first, and warpgroup 1 copies V, which both read last, so neither waits for the other to
-  // copy. Between work items the block barriers of for_each_work and of the Q copy remain
-  // (the next item's Q overwrites q_s): the pipeline drains there, and only the mbarrier
-  // phases carry over (gt counts the CTA's tiles across its items).
+  // other's products. Warpgroup 0 leads by about half a tile: it copies K, which both read first,
+  // and warpgroup 1 copies V, which both read last, so neither waits for the other to copy. Between
+  // work items the block barriers of for_each_work and of the Q copy remain (the next item's Q
+  // overwrites q_s): the pipeline drains there, and only the mbarrier phases carry over (gt counts
+  // the CTA's tiles across its items).
   static_assert(!WGMMA || (!SPLIT_KEYS && !KV_FP8 && Variant::ROPE == 0 && ROWS_WARP == 16 &&
                            NUM_WARPS == 8 && HEAD_DIM % 64 == 0 && BLOCK_N % 64 == 0 &&
                            STAGES >= 2),
