@@ -159,6 +159,71 @@ def divisions_as_products(score, mask) -> tuple:
             None if mask is None else rewrite(mask, False))
 
 
+def kv_linear(score):
+    """The score_mod as ``score + coef * (sign * kv_idx + off) [+ cst]`` with coef, off and cst
+    row-invariant (they read only b, h and q_idx), off an int, ``sign * kv_idx + off`` an int
+    expression that provably fits in 32 bits (ALiBi: coef = slopes[h], sign 1, off = -q_idx):
+    returns (coef, sign, off, cst) as expressions (off and cst may be None), or None for any
+    other form.
+
+    The CUDA kernels then evaluate the bias per tile and row as coef * (sign * kv0 + off) + cst
+    at the thread's first key kv0 (an exact int before one conversion), and per score add only
+    coef * sign * c for the key's constant column offset c: two fused multiply-adds per score
+    instead of the traced form's index arithmetic, int-to-float conversion, multiply and add
+    (ncu, session 9: ALiBi's score_mod was 284 of its 739 instructions per tile and warp)."""
+    def row_invariant(e):
+        return hasattr(e, "op") and _symbols(e, {}) <= ROW_SYMBOLS
+
+    def is_sym(e, name):
+        return hasattr(e, "op") and e.op == "sym" and e.args[0] == name
+
+    def linear(e):  # (sign, off) with e == sign * kv_idx + off, off an int expression or None
+        if is_sym(e, "kv_idx"):
+            return 1, None
+        if e.op == "neg":
+            inner = linear(e.args[0])
+            if inner is None:
+                return None
+            return -inner[0], None if inner[1] is None else type(e)("neg", (inner[1],), "int")
+        if e.op in ("+", "-"):
+            x, y = e.args
+            if row_invariant(y) and y.kind == "int" and (lx := linear(x)) is not None:
+                o = y if e.op == "+" else type(e)("neg", (y,), "int")
+                return lx[0], o if lx[1] is None else type(e)("+", (lx[1], o), "int")
+            if row_invariant(x) and x.kind == "int" and (ly := linear(y)) is not None:
+                sign = ly[0] if e.op == "+" else -ly[0]
+                o = ly[1] if ly[1] is None or e.op == "+" else type(e)("neg", (ly[1],), "int")
+                return sign, x if o is None else type(e)("+", (x, o), "int")
+        return None
+
+    if score is None or score.op != "+":
+        return None
+    bias = score.args[1] if is_sym(score.args[0], "score") else \
+        score.args[0] if is_sym(score.args[1], "score") else None
+    if bias is None or "score" in _symbols(bias, {}):
+        return None
+    cst = None  # (a float bias only: an int one is exact in the traced form, and is kept whole
+    #             in off, so that the kernels convert one exact int, not two that cancel)
+    if bias.kind == "float" and bias.op == "+":
+        if row_invariant(bias.args[1]) and not row_invariant(bias.args[0]):
+            bias, cst = bias.args
+        elif row_invariant(bias.args[0]) and not row_invariant(bias.args[1]):
+            cst, bias = bias.args
+    coef, term = None, bias
+    if bias.op == "*":
+        x, y = bias.args
+        coef, term = (x, y) if row_invariant(x) else (y, x) if row_invariant(y) else (None, None)
+        if term is None:
+            return None
+    if term.kind != "int" or not narrow(term):
+        return None
+    lin = linear(term)
+    if lin is None or (lin[1] is not None and not narrow(lin[1])):
+        return None
+    one = type(score)("const", (1.0,), "float")
+    return (coef if coef is not None else one), lin[0], lin[1], cst
+
+
 def hoist_row_invariants(roots) -> tuple[list, dict]:
     """Loop-invariant code motion for the mods: the largest subexpressions that read only b, h
     and q_idx (the same for every key of a query row, e.g. ALiBi's slopes[h]) are computed once

@@ -161,3 +161,90 @@ def test_symbol_ranges_cover_the_lanes_past_the_end_of_a_tile():
     assert reach <= emit.POSITION_MARGIN
     last = emit.MAX_SEQ_LEN - 1 + emit.POSITION_MARGIN
     assert R["kv_idx"][1] >= last and R["q_idx"][1] >= last
+
+
+_SLOPES = ja.tensor("slopes", ("num_qo_heads",), "float32")
+_SHIFT = ja.tensor("shift", ("num_qo_heads",), "float32")
+# score_mods with a bias linear in kv_idx, each with its (sign, whether off / cst exist)
+_LINEAR = {
+    "alibi": (lambda s, b, h, q, k: s + _SLOPES[h] * (k - q), 1),
+    "reversed": (lambda s, b, h, q, k: s + _SLOPES[h] * (q - k), -1),
+    "negated": (lambda s, b, h, q, k: s + _SLOPES[h] * -(k - q + 7), -1),
+    "constant_last": (lambda s, b, h, q, k: s + (_SLOPES[h] * (k - q) + _SHIFT[h]), 1),
+    "constant_first": (lambda s, b, h, q, k: (_SHIFT[h] + (k - q + 3) * _SLOPES[h]) + s, 1),
+    "unit_slope": (lambda s, b, h, q, k: s + (k - q), 1),
+    "keys_only": (lambda s, b, h, q, k: s + _SLOPES[h] * k, 1),
+    "int_offset_term": (lambda s, b, h, q, k: s + (k + (-q)), 1),
+    "int_offset_first": (lambda s, b, h, q, k: s + (-q + k), 1),
+}
+_NOT_LINEAR = {
+    "soft_cap": ja.soft_cap(30.0),
+    "squared": lambda s, b, h, q, k: s + _SLOPES[h] * (k - q) * (k - q),
+    "scaled_score": lambda s, b, h, q, k: 2 * s + _SLOPES[h] * (k - q),
+    "slope_per_key": lambda s, b, h, q, k: s + _SLOPES[ja.minimum(k, 3)] * (k - q),
+    "batch_in_the_offset": lambda s, b, h, q, k: s + _SLOPES[h] * (k - q + b),  # may leave int32
+    "wide_offset": lambda s, b, h, q, k: s + (k - 2 * q),  # 64-bit: may leave int32
+    "clipped": lambda s, b, h, q, k: s + ja.where(k - q > -8, 1.0, 0.0),
+}
+
+
+def test_kv_linear_finds_biases_linear_in_the_key_and_nothing_else():
+    for name, (fn, sign) in _LINEAR.items():
+        lin = emit.kv_linear(ja.Variant(name, score_mod=fn).score.expr)
+        assert lin is not None and lin[1] == sign, name
+    for name, fn in _NOT_LINEAR.items():
+        assert emit.kv_linear(ja.Variant(name, score_mod=fn).score.expr) is None, name
+    assert emit.kv_linear(None) is None
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_kv_linear_form_equals_the_score_mod_in_cpp(tmp_path):
+    """The generated Variant::kv_linear coefficients, evaluated as the CUDA kernels do (the
+    bias at a tile's first key from an exact int, then two fused multiply-adds per score),
+    against the traced score_mod compiled from the same source, over random scores, heads,
+    positions up to 2**20 and 2**29 and column offsets 0..31; within a few float32 roundings
+    of the bias (an int bias converted once, as the traced form does)."""
+    from jitattn import render
+    rng = random.Random(5)
+    blocks = []
+    for i, (name, (fn, _)) in enumerate(_LINEAR.items()):
+        code = render.render_variant(ja.Variant(name, score_mod=fn), backend="cpu", head_dim=64)
+        code = code.replace("struct VariantParams", f"namespace v{i} {{\nstruct VariantParams", 1)
+        code = code.replace("// RoPE angular", "}\n// RoPE angular", 1)
+        code = code.replace("JA_ROPE_TABLE float kRopeInvFreq", f"static const float rope{i}", 1)
+        blocks.append(code)
+    cases = [(rng.uniform(-30, 30), rng.randrange(8), rng.randint(-top, top), rng.randint(0, top),
+              rng.randrange(32)) for top in (1 << 20, 1 << 29) for _ in range(100)]
+    cases += [(0.5, 3, q, q, c) for q in ((1 << 25) + 1, 999_999_937) for c in (0, 31)]
+    body = []
+    for i in range(len(_LINEAR)):
+        body.append(f"  {{ v{i}::VariantParams p{{}};")
+        for t in ("slopes", "shift"):
+            if f"jap_{t};" in blocks[i] or f"jap_{t} " in blocks[i]:
+                body.append(f"    p.jap_{t} = {t}; p.jap_{t}_d0 = 8;")
+        for s, h, q, kv, c in cases:
+            body.append(f"    check<v{i}::Variant>(p, {s!r}f, {h}, {q}, {kv}, {c});")
+        body.append("  }")
+    src = tmp_path / "linear.cpp"
+    src.write_text("\n".join([
+        f'#include "{env.templates_dir() / "common" / "jitattn_math.h"}"',
+        "#include <cmath>", "#include <cstdio>", *blocks,
+        "float slopes[8] = {0.5f, 0.25f, 0.125f, 0.0625f, -0.03125f, 0.7f, 1e-3f, 2.f};",
+        "float shift[8] = {1.f, -2.f, 0.5f, 3.f, 0.f, -7.f, 11.f, 0.25f};",
+        "template <typename V, typename P>",
+        "void check(const P& p, float score, int h, int q, int kv, int c) {",
+        "  const auto row = V::row(p, 0, h, q);",
+        "  const auto lin = V::kv_linear(p, row, 0, h, q);",
+        "  const float want = V::score_mod(p, row, score, 0, h, q, kv);",
+        "  const int kv0 = kv - c;",
+        "  const float base = std::fmaf(lin.coef, (float)(V::KV_SIGN * kv0 + lin.off), lin.cst);",
+        "  const float got = std::fmaf(lin.coef, (float)(V::KV_SIGN * c), score + base);",
+        "  const float tol = 4e-7f * (std::fabs(want - score) + std::fabs(score)) + 1e-6f;",
+        '  std::printf("%d\\n", V::KV_LINEAR && std::fabs(got - want) <= tol);',
+        "}",
+        "int main() {", *body, "}"]))
+    exe = tmp_path / "linear"
+    subprocess.run(["g++", "-O1", "-std=c++17", "-o", str(exe), str(src)], check=True,
+                   capture_output=True, text=True)
+    got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    assert got == ["1"] * (len(_LINEAR) * len(cases))

@@ -413,6 +413,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     // this thread's rows: row_w + mt * 16 + lane / 4 (+ 8 for h = 1)
     RowInfo ri[MT][2];
     Variant::Row vrow[MT][2];  // the mods' per-row subexpressions
+    Variant::KvLinear lin[MT][2];  // KV_LINEAR: the score_mod's per-row coefficients
     float o[MT][ND][4], m[MT][2], l[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -420,6 +421,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       for (int h = 0; h < 2; ++h) {
         ri[mt][h] = row_info(req, w.hk, g, w.row0 + row_w + mt * 16 + lane / 4 + 8 * h);
         vrow[mt][h] = Variant::row(p, w.b, ri[mt][h].h, ri[mt][h].q_pos);
+        lin[mt][h] = Variant::kv_linear(p, vrow[mt][h], w.b, ri[mt][h].h, ri[mt][h].q_pos);
         m[mt][h] = -JA_INF;
         l[mt][h] = 0.f;
       }
@@ -580,6 +582,19 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
                          Variant::MASK_MODE != 3 && !Variant::HAS_MASK_MOD &&
                          (!Variant::CAUSAL || t0 + BLOCK_N - 1 <= pos_first) &&
                          (Variant::WINDOW_LEFT < 0 || pos_last - t0 <= Variant::WINDOW_LEFT);
+      // KV_LINEAR (a bias linear in kv_idx, e.g. ALiBi): the bias at the thread's first key
+      // of the tile per row, from an exact int (one rounding, as the traced form's), then per
+      // score the key's constant column offset c: coef * KV_SIGN * c + (score + that)
+      [[maybe_unused]] float lin_base[MT][2];
+      if constexpr (Variant::KV_LINEAR) {
+        const int kv0 = t0 + key_w + (lane % 4) * 2;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            lin_base[mt][h] = fmaf(lin[mt][h].coef,
+                                   (float)(Variant::KV_SIGN * kv0 + lin[mt][h].off), lin[mt][h].cst);
+      }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -588,8 +603,13 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         for (int e = 0; e < 4; ++e) {
           const RowInfo& r = ri[mt][e / 2];
           const int kv_idx = t0 + key_w + n * 8 + (lane % 4) * 2 + (e % 2);
-          float x = Variant::score_mod(p, vrow[mt][e / 2], s[mt][n][e] * score_scale, w.b,
-                                       r.h, r.q_pos, kv_idx);
+          float x;
+          if constexpr (Variant::KV_LINEAR)
+            x = fmaf(lin[mt][e / 2].coef, (float)(Variant::KV_SIGN * (n * 8 + e % 2)),
+                     fmaf(s[mt][n][e], score_scale, lin_base[mt][e / 2]));
+          else
+            x = Variant::score_mod(p, vrow[mt][e / 2], s[mt][n][e] * score_scale, w.b, r.h,
+                                   r.q_pos, kv_idx);
           if (!whole) {
             bool vis = r.valid && kv_idx < range.y;  // padding rows read no mask data
             if (Variant::CAUSAL) vis = vis && kv_idx <= r.q_pos;
