@@ -241,19 +241,23 @@ def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
     kernel.launch(grid, kinds, values, current_stream(index))
 
 
-_MERGE_KINDS = ("ptr",) * 6 + ("i32", "i32", "i64", "ptr", "ptr", "i32", "i32")
+_MERGE_KINDS = ("ptr",) * 6 + ("i32", "i32", "i64") + ("ptr",) * 4 + ("i32", "i32")
 
 
 def run_merge(o_parts, lse_parts, out, lse_out, *, sigmoid: bool, merge_indptr=None,
               merge_rows=None, merge_slots=None, num_merged_dev=None, num_merged: int = 0,
-              num_states: int = 0, state_stride: int = 0, grid_ctas: int | None = None) -> None:
-    """Launch the attention-state merge (planned mode with merge_slots, else dense mode: row m
-    merges rows m + i * state_stride of o_parts / lse_parts for i < num_states)."""
+              num_states: int = 0, state_stride: int = 0, o_second=None, lse_second=None,
+              grid_ctas: int | None = None) -> None:
+    """Launch the attention-state merge: planned mode with merge_slots; pair mode with
+    o_second / lse_second (row m merges row m of o_parts / lse_parts with row m of o_second /
+    lse_second; out / lse_out may be o_parts / lse_parts); else dense mode (row m merges rows
+    m + i * state_stride of o_parts / lse_parts for i < num_states)."""
     in_tag, out_tag = dtypes.tag(o_parts.dtype), dtypes.tag(out.dtype)
     head_dim = out.shape[-1]
     values = [o_parts.data_ptr(), lse_parts.data_ptr(), _ptr(merge_indptr), _ptr(merge_rows),
               _ptr(merge_slots), _ptr(num_merged_dev), num_merged, num_states, state_stride,
-              out.data_ptr(), lse_out.data_ptr(), head_dim, int(sigmoid)]
+              _ptr(o_second), _ptr(lse_second), out.data_ptr(), lse_out.data_ptr(), head_dim,
+              int(sigmoid)]
     if not out.is_cuda:
         jit.get_merge_kernel(backend="cpu", in_tag=in_tag, out_tag=out_tag).launch(
             f"jitattn_merge_{in_tag}_{out_tag}", _MERGE_KINDS, values)

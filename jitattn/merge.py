@@ -60,20 +60,30 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, reduction: str = "softma
     return out, lse_out
 
 
-def merge_state(o_a, lse_a, o_b, lse_b, *, reduction: str = "softmax"):
-    """Merge two attention states of the same shape: o [..., head_dim], lse [...] float32.
-    Returns (o, lse). See merge_states."""
+def _merge_pair(o_a, lse_a, o_b, lse_b, out, lse_out, reduction: str) -> None:
+    """Checked pair-mode merge of (o_b, lse_b) into (o_a, lse_a), written to (out, lse_out)."""
     _check_state("merge_state (a)", o_a, lse_a)
     _check_state("merge_state (b)", o_b, lse_b)
     if o_a.shape != o_b.shape or o_a.dtype != o_b.dtype or o_a.device != o_b.device:
         raise ValueError(f"merge_state: states differ: a {tuple(o_a.shape)} {o_a.dtype} "
                          f"{o_a.device}, b {tuple(o_b.shape)} {o_b.dtype} {o_b.device}")
-    return merge_states(torch.stack([o_a, o_b]), torch.stack([lse_a, lse_b]),
-                        reduction=reduction)
+    if reduction not in ("softmax", "sigmoid"):
+        raise ValueError(f"reduction={reduction!r}: expected 'softmax' or 'sigmoid'")
+    rows = lse_a.numel()
+    if rows:
+        launch.run_merge(o_a, lse_a, out, lse_out, sigmoid=reduction == "sigmoid",
+                         num_merged=rows, o_second=o_b, lse_second=lse_b)
+
+
+def merge_state(o_a, lse_a, o_b, lse_b, *, reduction: str = "softmax"):
+    """Merge two attention states of the same shape: o [..., head_dim], lse [...] float32.
+    Returns (o, lse). See merge_states."""
+    out, lse_out = torch.empty_like(o_a), torch.empty_like(lse_a)
+    _merge_pair(o_a, lse_a, o_b, lse_b, out, lse_out, reduction)
+    return out, lse_out
 
 
 def merge_state_in_place(o, lse, o_other, lse_other, *, reduction: str = "softmax") -> None:
-    """Merge (o_other, lse_other) into (o, lse), overwriting o and lse. See merge_states."""
-    merged_o, merged_lse = merge_state(o, lse, o_other, lse_other, reduction=reduction)
-    o.copy_(merged_o)
-    lse.copy_(merged_lse)
+    """Merge (o_other, lse_other) into (o, lse), overwriting o and lse: one pass over the
+    states, no copies (o_other must not overlap o). See merge_states."""
+    _merge_pair(o, lse, o_other, lse_other, o, lse, reduction)

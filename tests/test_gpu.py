@@ -129,3 +129,8 @@ def test_fullgraph_inductor_compile_on_gpu():
         eager = layer(x)
         compiled = torch.compile(layer, fullgraph=True)(x)
     torch.testing.assert_close(compiled, eager, atol=2e-2, rtol=2e-2)
+
+
+def test_in_place_pair_merge_equals_stacked_merge_gpu():
+    from test_merge import check_in_place_pair_merge
+    check_in_place_pair_merge("cuda")
