@@ -104,7 +104,7 @@ class BatchPrefill:
              num_kv_heads: int, head_dim: int, *, q_dtype=torch.float16, kv_dtype=None,
              sm_scale: float | None = None, custom_mask=None, packed_custom_mask=None,
              mask_indptr=None, prefix_len=None, token_pos_in_items=None,
-             max_item_len=None) -> Plan:
+             max_item_len=None, shared_prefix_start=None, shared_prefix_len=None) -> Plan:
         """Schedule a batch; reused by every run() until the next plan().
 
         qo_indptr: [batch + 1] int32, request b's queries are rows qo_indptr[b]:qo_indptr[b+1]
@@ -122,6 +122,13 @@ class BatchPrefill:
             int32, for every token after a request's prefix its 1-based position in its item
             (0 for a delimiter), concatenated over requests; max_item_len [batch] int32 (the
             longest item; lets the schedule skip keys between items).
+        Shared prefixes (kv_layout "ragged"): shared_prefix_start, shared_prefix_len, [batch]
+            int32: request b's keys are rows shared_prefix_start[b] ..
+            shared_prefix_start[b] + shared_prefix_len[b] - 1 of k / v (a run that other
+            requests may read too: a prompt prefix stored once), then its own rows
+            kv_indptr[b] .. kv_indptr[b + 1] - 1; its key positions (causal, RoPE, score_mod's
+            kv_idx) count from the prefix's first row. Contiguous runs keep the kernels' bulk
+            K/V copies (TMA on sm_90) where one-token pages would gather rows.
         Returns the Plan (``plan.describe()`` prints it). Raises TypeError / ValueError.
         """
         qo = masks_mod.host_int32("qo_indptr", qo_indptr)
@@ -129,15 +136,18 @@ class BatchPrefill:
                      mask_indptr=mask_indptr, prefix_len=prefix_len,
                      token_pos_in_items=token_pos_in_items, max_item_len=max_item_len)
         return self._plan_batch(qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
-                                num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale, masks)
+                                num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale, masks,
+                                shared=(shared_prefix_start, shared_prefix_len))
 
     def _plan_batch(self, qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
-                    num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale, masks=None) -> Plan:
+                    num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale, masks=None,
+                    shared=(None, None)) -> Plan:
         inputs = check_batch(qo, kv_indptr, kv_indices, kv_last_page_len,
                              decode=self._kind == "decode", kv_layout=self.kv_layout,
                              page_size=self.page_size, num_qo_heads=num_qo_heads,
                              num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype,
-                             kv_dtype=kv_dtype, capacity=self.capacity)
+                             kv_dtype=kv_dtype, capacity=self.capacity,
+                             shared_prefix_start=shared[0], shared_prefix_len=shared[1])
         kv, indices, kv_dtype = inputs.kv, inputs.indices, inputs.kv_dtype
         qo_lens, kv_lens, batch = inputs.qo_lens, inputs.kv_lens, inputs.batch
         max_qo, max_kv = int(qo_lens.max(initial=0)), int(kv_lens.max(initial=0))
@@ -147,13 +157,17 @@ class BatchPrefill:
                                      self.capacity)
         kernel_kind = self._kernel_kind(max_qo, num_qo_heads // num_kv_heads, head_dim)
         rows, num_ctas, kv_tile = self._launch_shape(kernel_kind, q_dtype, kv_dtype, head_dim)
-        plan = make_plan(qo_lens, kv_lens, kv[:-1], num_qo_heads=num_qo_heads,
+        # ragged with shared prefixes: kv_start is where logical key 0 would be if the own run
+        # held all keys (the kernels add the key index to it past the prefix)
+        kv_starts = kv[:-1] if inputs.shared_lens is None else kv[:-1] - inputs.shared_lens
+        plan = make_plan(qo_lens, kv_lens, kv_starts, num_qo_heads=num_qo_heads,
                          num_kv_heads=num_kv_heads, rows_per_cta=rows, num_ctas=num_ctas,
                          causal=self.variant.mask in ("causal", "multi_item"),
                          window_left=self.variant.window_left, split_kv=self.split_kv,
                          mask_offsets=mask.get("mask_offsets"), prefix_lens=mask.get("prefix"),
                          token_pos_offsets=mask.get("pos_offsets"),
                          max_item_lens=mask.get("max_item"),
+                         shared_lens=inputs.shared_lens, shared_starts=inputs.shared_starts,
                          max_partial_rows=cap["max_partial_rows"],
                          max_items=cap["max_work_items"], kv_tile=kv_tile)
         if plan.num_items > cap["max_work_items"]:

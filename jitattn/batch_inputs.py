@@ -19,7 +19,9 @@ from .render import HEAD_DIMS
 class BatchInputs:
     """A checked batch. qo / kv: the indptrs (int32 numpy; kv counts pages, or tokens for the
     ragged layout); indices: the page table (the identity for ragged); qo_lens / kv_lens:
-    tokens per request; max_page: the largest page id used (-1 for none)."""
+    tokens per request, kv_lens counting the shared prefix; shared_starts / shared_lens: each
+    request's shared prefix (ragged; None without one); max_page: the largest page id, or
+    ragged the largest row, used (-1 for none)."""
 
     qo: np.ndarray
     kv: np.ndarray
@@ -28,6 +30,8 @@ class BatchInputs:
     kv_lens: np.ndarray
     kv_dtype: torch.dtype
     max_page: int
+    shared_starts: np.ndarray | None = None
+    shared_lens: np.ndarray | None = None
 
     @property
     def batch(self) -> int:
@@ -46,7 +50,8 @@ def check_indptr(name: str, x: np.ndarray) -> None:
 
 def check_batch(qo, kv_indptr, kv_indices, kv_last_page_len, *, decode: bool, kv_layout: str,
                 page_size: int, num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype,
-                capacity: dict) -> BatchInputs:
+                capacity: dict, shared_prefix_start=None,
+                shared_prefix_len=None) -> BatchInputs:
     """Check plan()'s arguments (qo: the host qo_indptr, int32 numpy; decode: the batch size
     comes from kv_indptr) against each other and the wrapper's capacities. Raises ValueError /
     TypeError naming the argument."""
@@ -105,6 +110,33 @@ def check_batch(qo, kv_indptr, kv_indices, kv_last_page_len, *, decode: bool, kv
                          f"{capacity['max_num_pages']} given to the constructor")
     kv_lens = np.where(pages > 0, (pages - 1) * tokens_per_page + last, 0)
     qo_lens = np.diff(qo)
+    max_page = int(used.max(initial=-1))
+    starts, lens = shared_prefixes(shared_prefix_start, shared_prefix_len, batch, kv_layout)
+    if lens is not None:
+        kv_lens = kv_lens + lens
+        max_page = max(max_page, int((starts + lens)[lens > 0].max(initial=0)) - 1)
     check_seq_lens(int(qo_lens.max(initial=0)), int(kv_lens.max(initial=0)))
-    return BatchInputs(qo, kv, indices, qo_lens, kv_lens, kv_dtype,
-                       int(used.max(initial=-1)))
+    return BatchInputs(qo, kv, indices, qo_lens, kv_lens, kv_dtype, max_page, starts, lens)
+
+
+def shared_prefixes(shared_prefix_start, shared_prefix_len, batch: int, kv_layout: str):
+    """Check plan()'s shared prefixes (ragged only: request b's keys begin with rows
+    shared_prefix_start[b] .. + shared_prefix_len[b] of k / v); (starts, lens) as int64 numpy,
+    or (None, None) when neither is given."""
+    if shared_prefix_start is None and shared_prefix_len is None:
+        return None, None
+    if kv_layout != "ragged":
+        raise ValueError(f"shared_prefix_start / shared_prefix_len need kv_layout='ragged' "
+                         f"(the wrapper's is {kv_layout!r}); a paged cache shares a prefix by "
+                         f"listing its pages in every request's kv_indices")
+    if shared_prefix_start is None or shared_prefix_len is None:
+        raise ValueError("shared_prefix_start and shared_prefix_len go together: pass both")
+    starts = masks_mod.host_int32("shared_prefix_start", shared_prefix_start, allow_empty=True)
+    lens = masks_mod.host_int32("shared_prefix_len", shared_prefix_len, allow_empty=True)
+    for name, x in (("shared_prefix_start", starts), ("shared_prefix_len", lens)):
+        if len(x) != batch:
+            raise ValueError(f"{name} has {len(x)} entries; expected one per request ({batch})")
+        if len(x) and x.min() < 0:
+            b = int(np.argmin(x))
+            raise ValueError(f"{name}[{b}] is {x[b]}; expected >= 0")
+    return starts.astype(np.int64), lens.astype(np.int64)

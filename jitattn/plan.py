@@ -41,18 +41,22 @@ MERGE_ITEMS = 1.0     # a plan that splits tiles also launches the merge kernel 
 #                       H200's host, docs/performance.md session 8): it is taken only when
 #                       it shortens the predicted makespan by more than this many items' fixed
 #                       cost (alpha * rows_per_cta) against the plan without splits
-REQUEST_FIELDS = 8    # int32 per request on the device: q_start, q_len, kv_len, kv_start,
+REQUEST_FIELDS = 12   # int32 per request on the device: q_start, q_len, kv_len, kv_start,
 #                       mask_offset (bytes into the packed custom mask), prefix_len,
-#                       token_pos_offset (into token_pos_in_items), unused
+#                       token_pos_offset (into token_pos_in_items), shared_len, shared_start,
+#                       three unused (rows of three 16-byte loads)
 
 
 @dataclass(frozen=True)
 class Plan:
     """A schedule for one batch. Arrays are int32 numpy, laid out as the kernels read them.
 
-    requests: [batch, 8] (q_start, q_len, kv_len, kv_start, mask_offset, prefix_len,
-        token_pos_offset, 0); kv_start is the request's first entry in kv_indices (paged) or its
-        first row of k/v (ragged); the mask fields serve the "custom" and "multi_item" masks.
+    requests: [batch, 12] (q_start, q_len, kv_len, kv_start, mask_offset, prefix_len,
+        token_pos_offset, shared_len, shared_start, 0, 0, 0); kv_start is the request's first
+        entry in kv_indices (paged) or, ragged, the row of k/v of its logical key 0 if its keys
+        were one run (own run's first row - shared_len); ragged keys j < shared_len are rows
+        shared_start + j (a shared prefix); the mask fields serve the "custom" and "multi_item"
+        masks.
     items: [num_items, 8] (request, kv_head, row0, kv_lo, kv_hi, partial_row, 0, 0), grouped by
         CTA; partial_row is -1 when the item writes out/lse directly, else the first of
         ``rows_per_cta`` partial-state rows it owns.
@@ -305,11 +309,14 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
               rows_per_cta: int, num_ctas: int, causal: bool, window_left: int | None,
               split_kv: bool = True, alpha: float = 16.0, beta: float = 1.0,
               mask_offsets=None, prefix_lens=None, token_pos_offsets=None,
-              max_item_lens=None, max_partial_rows: int | None = None,
+              max_item_lens=None, shared_lens=None, shared_starts=None,
+              max_partial_rows: int | None = None,
               max_items: int | None = None, kv_tile: int = KV_TILE) -> Plan:
     """Schedule a batch. qo_lens / kv_lens / kv_starts: per request (host ints). Cost model:
     alpha per query row of an item (its fixed work: loading rows, writing or merging states)
-    plus beta per key, in units of one key's work. The mask
+    plus beta per key, in units of one key's work. kv_lens count a request's shared-prefix keys
+    (shared_lens, ragged: the first shared_lens[b] keys are rows shared_starts[b] + j; its own
+    run then starts at row kv_starts[b] + shared_lens[b]). The mask
     arrays (per request) are copied into the request table; prefix_lens with max_item_lens
     enable tile skipping for multi-item masks. max_partial_rows: the workspace's capacity;
     splits that would need more are not chosen (with none left, the KV is not split, and if
@@ -324,7 +331,8 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
     if batch:
         requests[:, 0], requests[:, 1] = q_starts, qo_lens
         requests[:, 2], requests[:, 3] = kv_lens, kv_starts
-        for col, values in ((4, mask_offsets), (5, prefix_lens), (6, token_pos_offsets)):
+        for col, values in ((4, mask_offsets), (5, prefix_lens), (6, token_pos_offsets),
+                            (7, shared_lens), (8, shared_starts)):
             if values is not None:
                 requests[:, col] = values
 

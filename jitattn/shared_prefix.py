@@ -9,8 +9,9 @@ same for every request).
 
 - naive: every request [P, S_i] on its own (prefix queries and keys repeated M times).
 - split: request 0 first, then the other suffixes against the prefix in a second launch.
-- ragged: one launch; request 0 is [P, S_0], the others only their suffix queries, with page
-  tables (page size 1 over the token layout) that list the shared prefix.
+- ragged: one launch; request 0 is [P, S_0], the others only their suffix queries, whose keys
+  are the prefix's rows (one copy, read by every request: BatchPrefill's shared prefixes) and
+  then their own suffix's.
 - cascade: causal prefill of P; the shared level (all suffix queries as one request against
   P, no mask); the unique level (each suffix against itself, causal); an LSE merge.
 - multi_item: one logical request with the multi-item mask (scheme 5a).
@@ -22,12 +23,12 @@ exactly (see ALLOWED): cascade, multi_item and custom_mask need hooks that read 
 positions (RoPE, window, q_idx / kv_idx) nor the request index b, nor tensors shaped by
 batch_size / qo_len / kv_len; split allows positions; ragged allows positions, b, and tensors
 shaped by batch_size / kv_len. Others raise ValueError naming the reason.
-Launches whose requests read consecutive runs of keys (split's first request, every cascade
-level, multi_item, custom_mask) read k / v directly (BatchPrefill's "ragged" kv_layout, no page
-table: on the H200 a paged prefill over the same tokens ran at 0.88x, docs/performance.md v12);
-naive, ragged and split's second launch list one-token pages of the layout.
-Capacities: ragged and naive list M * P page entries (max_num_pages); custom_mask builds a
-dense (P + sum S)^2 mask (max_mask_bytes); pass larger capacities for big batches.
+Every strategy but naive reads k / v directly (BatchPrefill's "ragged" kv_layout, no page
+table: on the H200 a paged prefill over the same tokens ran at 0.88x, docs/performance.md v12;
+ragged and split's second launch list the prefix as a shared prefix of their requests' keys);
+naive lists one-token pages of the layout, as a paged engine without prefix sharing would.
+Capacities: naive lists M * P page entries (max_num_pages); custom_mask builds a dense
+(P + sum S)^2 mask (max_mask_bytes); pass larger capacities for big batches.
 """
 
 from __future__ import annotations
@@ -177,13 +178,13 @@ class SharedPrefixPrefill:
         """Whether ``strategy``'s plans fit the capacities given to the constructor (or
         BatchPrefill's defaults) that plan() can foresee: requests per launch, the one-token
         pages of the paged launches (naive, ragged, split's second), the dense mask of
-        custom_mask, the item positions of multi_item. (Work items and partial rows depend on
+        custom_mask, the item positions of multi_item (split's second launch counts an empty
+        request that owns the rows before its suffixes). (Work items and partial rows depend on
         the schedule; plan() checks them.)"""
         def cap(name):
             return self._capacities.get(name, _CAPACITY_DEFAULTS[name])
         m, p, suffixes = len(suffix_lens), prefix_len, sum(suffix_lens)
-        batch, pages = {"naive": (m, m * p + suffixes), "ragged": (m, m * p + suffixes),
-                        "split": (m - 1, (m - 1) * p + suffixes - suffix_lens[0]),
+        batch, pages = {"naive": (m, m * p + suffixes), "ragged": (m, 0), "split": (m, 0),
                         "cascade": (m, 0)}.get(strategy, (1, 0))
         if batch > cap("max_batch_size") or pages > cap("max_num_pages"):
             return False
@@ -223,10 +224,14 @@ class SharedPrefixPrefill:
         total = p + sum(s)
         first_suffix = p + s[0]
 
-        def contiguous(name, variant, q_rows_per_req, kv_lens, **mask):
+        def contiguous(name, variant, q_rows_per_req, kv_lens, shared_lens=None, **mask):
             """A step whose requests' keys are consecutive runs of the layout, one after the
-            other: planned over k / v directly ("ragged" kv_layout, no page table to read)."""
+            other: planned over k / v directly ("ragged" kv_layout, no page table to read),
+            request b's keys preceded by the prefix's first shared_lens[b] rows."""
             w = self._wrapper(name, variant, "ragged")
+            if shared_lens is not None:
+                mask.update(shared_prefix_start=_i32([0] * len(shared_lens)),
+                            shared_prefix_len=_i32(shared_lens))
             w.plan(_indptr([len(x) for x in q_rows_per_req]), _indptr(kv_lens), None, None,
                    **heads, **mask)
             return w
@@ -247,19 +252,17 @@ class SharedPrefixPrefill:
             as_dev = lambda x: torch.as_tensor(x, dtype=torch.long, device=self.device)  # noqa
             steps.append(("naive", (as_dev(gather), as_dev(first), as_dev(gather[first])),
                           "naive", None))
-        elif strategy in ("split", "ragged"):
-            first = np.concatenate([prefix_ids, own[0]])
-            rest_q = own[1:]
-            rest_kv = [np.concatenate([prefix_ids, o]) for o in own[1:]]
-            if strategy == "ragged":
-                paged("ragged", self.variant, [first] + rest_q, [first] + rest_kv)
-                steps.append(("ragged", slice(0, total), "direct", None))
-            else:
-                contiguous("split0", self.variant, [first], [len(first)])
-                steps.append(("split0", slice(0, first_suffix), "direct", slice(0, len(first))))
-                if rest_q:
-                    paged("split1", self.variant, rest_q, rest_kv)
-                    steps.append(("split1", slice(first_suffix, total), "direct", None))
+        elif strategy == "ragged":  # request 0's keys are [P, S_0], the others' P + S_i
+            contiguous("ragged", self.variant, [np.arange(first_suffix)] + own[1:],
+                       [first_suffix] + s[1:], shared_lens=[0] + [p] * (len(s) - 1))
+            steps.append(("ragged", slice(0, total), "direct", slice(0, total)))
+        elif strategy == "split":
+            contiguous("split0", self.variant, [np.arange(first_suffix)], [first_suffix])
+            steps.append(("split0", slice(0, first_suffix), "direct", slice(0, first_suffix)))
+            if len(s) > 1:  # an empty request owns rows 0 .. first_suffix - 1 (kv_indptr[0] = 0)
+                contiguous("split1", self.variant, [[]] + own[1:], [first_suffix] + s[1:],
+                           shared_lens=[0] + [p] * (len(s) - 1))
+                steps.append(("split1", slice(first_suffix, total), "direct", slice(0, total)))
         elif strategy == "cascade":  # every level reads consecutive keys: no page tables
             if p:
                 contiguous("prefix", self.variant, [prefix_ids], [p])

@@ -143,3 +143,43 @@ def check_linear_partition(kind: str, device: str, monkeypatch) -> None:
         plan = w.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hkv, d, q_dtype=dtype)
     assert len(plan.merge_rows) > 0  # the partition cut ranges
     check_batch(w, variant, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last, "NHD")
+
+
+def check_shared_prefix_batch(variant, params, device, dtype, hq, hkv, head_dim, requests,
+                              prefix_lens, seed, split_kv=True):
+    """A ragged batch whose requests read shared prefixes (plan(shared_prefix_start=,
+    shared_prefix_len=)) against the reference over each request's keys gathered into one run.
+    requests: (prefix: an index into prefix_lens or None, q_len, own_len) per request. k / v
+    hold the own runs first (kv_indptr), then two junk rows and each prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    own = [n for _, _, n in requests]
+    n_own = sum(own)
+    prefix_at, at = [], n_own + 2
+    for n in prefix_lens:
+        prefix_at.append(at)
+        at += n
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa
+    k, v, q = rand(at, hkv, head_dim), rand(at, hkv, head_dim), \
+        rand(sum(n for _, n, _ in requests), hq, head_dim)
+    i32 = dict(dtype=torch.int32)
+    qo_indptr = torch.tensor([0, *torch.tensor([n for _, n, _ in requests]).cumsum(0).tolist()],
+                             **i32)
+    kv_indptr = torch.tensor([0, *torch.tensor(own).cumsum(0).tolist()], **i32)
+    starts = torch.tensor([0 if p is None else prefix_at[p] for p, _, _ in requests], **i32)
+    lens = torch.tensor([0 if p is None else prefix_lens[p] for p, _, _ in requests], **i32)
+    w = ja.BatchPrefill(variant, kv_layout="ragged", device=device, split_kv=split_kv)
+    w.plan(qo_indptr, kv_indptr, None, None, hq, hkv, head_dim, q_dtype=dtype,
+           shared_prefix_start=starts, shared_prefix_len=lens)
+    out = torch.full(q.shape, math.nan, dtype=dtype, device=device)
+    lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=device)
+    w.run(q, (k, v), out=out, lse=lse, **params)
+    rows = [torch.cat([torch.arange(s, s + n), torch.arange(a, b)])
+            for s, n, a, b in zip(starts.tolist(), lens.tolist(), kv_indptr[:-1].tolist(),
+                                  kv_indptr[1:].tolist())]
+    gather = torch.cat(rows).to(device)
+    ref_kv_indptr = torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0).tolist()],
+                                 **i32)
+    ref_out, ref_lse = reference.attention(q, k[gather], v[gather], variant,
+                                           qo_indptr=qo_indptr, kv_indptr=ref_kv_indptr,
+                                           return_lse=True, **params)
+    return compare(variant, out, lse, ref_out, ref_lse)

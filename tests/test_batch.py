@@ -7,7 +7,8 @@ import torch
 import jitattn as ja
 from jitattn import catalog
 
-from helpers import check_batch, check_linear_partition, make_batch, make_paged
+from helpers import (check_batch, check_linear_partition, check_shared_prefix_batch, make_batch,
+                     make_paged)
 
 BUILTIN = catalog.builtin()
 
@@ -377,3 +378,42 @@ def test_query_tile_is_checked():
         ja.BatchPrefill(ja.Variant("c"), device="cpu", query_tile="tiny")
     with pytest.raises(TypeError, match="BatchDecode takes no query_tile"):
         ja.BatchDecode(ja.Variant("c"), device="cpu", query_tile="short")
+
+
+@pytest.mark.parametrize("split_kv", [True, False], ids=["split", "whole"])
+def test_ragged_shared_prefixes_match_reference(split_kv, keep_splits):
+    """Requests whose keys begin with a shared prefix (two prefixes, one request without,
+    an empty and a one-token request, a prefix without own keys), causal with a position-
+    dependent score_mod and fused RoPE: positions count from the prefix's first key."""
+    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
+    variant = ja.Variant("alibi_rope", mask="causal",
+                         score_mod=lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi),
+                         pos_encoding=ja.RoPE(theta=1e4))
+    requests = [(0, 5, 7), (1, 1, 1), (0, 0, 3), (None, 9, 30), (1, 140, 150), (0, 2, 0),
+                (1, 1, 0)]
+    check_shared_prefix_batch(variant, {"slopes": ja.alibi_slopes(8)}, "cpu", torch.float16,
+                              8, 2, 64, requests, prefix_lens=[131, 40], seed=7,
+                              split_kv=split_kv)
+
+
+def test_shared_prefixes_are_checked():
+    q, k, v, qo, kv = make_batch([2, 3], [4, 5], 4, 2, 64, torch.float16, "cpu", seed=1)
+    i32 = dict(dtype=torch.int32)
+    w = ja.BatchPrefill(ja.Variant("c", mask="causal"), kv_layout="ragged", device="cpu")
+    with pytest.raises(ValueError, match="go together"):
+        w.plan(qo, kv, None, None, 4, 2, 64, shared_prefix_len=torch.tensor([1, 1], **i32))
+    with pytest.raises(ValueError, match=r"shared_prefix_len\[1\] is -2; expected >= 0"):
+        w.plan(qo, kv, None, None, 4, 2, 64, shared_prefix_start=torch.tensor([0, 0], **i32),
+               shared_prefix_len=torch.tensor([1, -2], **i32))
+    with pytest.raises(ValueError, match="has 1 entries; expected one per request"):
+        w.plan(qo, kv, None, None, 4, 2, 64, shared_prefix_start=torch.tensor([0], **i32),
+               shared_prefix_len=torch.tensor([1, 1], **i32))
+    w.plan(qo, kv, None, None, 4, 2, 64, shared_prefix_start=torch.tensor([0, 6], **i32),
+           shared_prefix_len=torch.tensor([1, 4], **i32))
+    with pytest.raises(ValueError, match="refers to token 9 but k_cache has 9 tokens"):
+        w.run(q, (k, v))
+    paged = ja.BatchPrefill(ja.Variant("c", mask="causal"), device="cpu")
+    with pytest.raises(ValueError, match="need kv_layout='ragged'"):
+        paged.plan(qo, kv, torch.arange(9, dtype=torch.int32), torch.ones(2, **i32), 4, 2, 64,
+                   shared_prefix_start=torch.tensor([0, 0], **i32),
+                   shared_prefix_len=torch.tensor([1, 1], **i32))

@@ -8,8 +8,8 @@ import torch
 import jitattn as ja
 from jitattn import catalog, launch, reference
 
-from helpers import (TOL, check, check_batch, check_linear_partition, compare,
-                     every_feature_variant, make_batch, make_paged, quantize_fp8)
+from helpers import (TOL, check, check_batch, check_linear_partition, check_shared_prefix_batch,
+                     compare, every_feature_variant, make_batch, make_paged, quantize_fp8)
 
 pytestmark = pytest.mark.gpu
 BUILTIN = catalog.builtin()
@@ -337,3 +337,25 @@ def test_fp8_kv_with_rope_beside_the_16_bit_kernel():
         else:
             check_batch(w, variant, params, q, (k8, v8), qo_indptr, kv_indptr, kv_indices,
                         last, "NHD", ref_kv_cache=(k_ref, v_ref), scales=scales)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_ragged_shared_prefixes_match_reference_gpu(head_dim, dtype):
+    """Shared prefixes of 300 / 128 / 129 keys: whole tiles of the prefix and of the own run
+    (TMA at head_dim 64 / 128), tiles across the prefix's end (per-row copies), requests
+    without a prefix, empty and one-token requests; the prefill tiles, then the 16-row tiles
+    (queries of at most 4 packed rows x GQA 4); causal, and ALiBi with fused RoPE (key
+    positions count from the prefix)."""
+    slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
+    alibi_rope = ja.Variant("alibi_rope", mask="causal",
+                            score_mod=lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi),
+                            pos_encoding=ja.RoPE(theta=1e4))
+    long_queries = [(0, 200, 257), (1, 1, 1), (2, 64, 0), (None, 130, 140), (0, 0, 5),
+                    (1, 500, 3)]
+    short_queries = [(0, 1, 257), (1, 1, 1), (2, 1, 0), (None, 1, 140), (0, 0, 5)]
+    for variant, params in ((ja.Variant("causal", mask="causal"), {}),
+                            (alibi_rope, {"slopes": ja.alibi_slopes(16).cuda()})):
+        for requests in (long_queries, short_queries):
+            check_shared_prefix_batch(variant, params, "cuda", dtype, 16, 4, head_dim, requests,
+                                      prefix_lens=[300, 128, 129], seed=head_dim)

@@ -74,7 +74,7 @@ def test_cuda_launch_packs_every_argument_in_order(monkeypatch):
     kernel.launch((1, 1, 1), kinds, values2, 0)
     assert kernel._params is buffer and _read_back(kinds, fake.launches[-1][4]) == values2
     merge_kinds = launch._MERGE_KINDS
-    merge_values = [1, 2, 3, 4, 5, 6, 7, 8, 1 << 40, 9, 10, 128, 1]
+    merge_values = [1, 2, 3, 4, 5, 6, 7, 8, 1 << 40, 9, 10, 11, 12, 128, 1]
     kernel.launch((1, 1, 1), merge_kinds, merge_values, 0)  # another signature: a new buffer
     assert kernel._params is not buffer
     assert _read_back(merge_kinds, fake.launches[-1][4]) == merge_values

@@ -91,13 +91,20 @@ def test_a_table_speaks_only_near_its_cells_and_within_capacities(fresh_tables):
                                 max_mask_bytes=1 << 21)
     assert small.choose(8196, [4] * 32, 16, 8, 128) == "ragged"
     small.plan(8196, [4] * 32, 16, 8, 128)  # plans, where custom_mask would have raised
-    # without a table, the rule's choice must fit too: ragged and naive would list 3616
-    # one-token pages, the cascade at most 900 per launch
+    # without a table, the rule's choice must fit too: naive would list 3616 one-token pages;
+    # ragged and the cascade read k / v directly, whatever max_num_pages
     tune.table_path("cpu").unlink()
     tune.load.cache_clear()
     few_pages = SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu",
                                     max_num_pages=1000)
-    assert few_pages.choose(900, [4] * 4, 16, 8, 128) == "cascade"
-    assert SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu").choose(
-        900, [4] * 4, 16, 8, 128) == "ragged"
+    assert not few_pages._fits("naive", 900, [4] * 4) and few_pages._fits("ragged", 900, [4] * 4)
+    assert few_pages.choose(900, [4] * 4, 16, 8, 128) == "ragged"
     few_pages.plan(900, [4] * 4, 16, 8, 128)
+    # a variant only naive computes exactly: plan() names the capacity it exceeds
+    per_query = ja.tensor("bias", ("qo_len",), "float32")
+    only_naive = SharedPrefixPrefill(
+        ja.Variant("q", mask="causal", score_mod=lambda s, b, h, qi, ki: s + per_query[qi]),
+        device="cpu", max_num_pages=1000)
+    assert only_naive.choose(900, [4] * 4, 16, 8, 128) == "naive"
+    with pytest.raises(ValueError, match="max_num_pages=1000"):
+        only_naive.plan(900, [4] * 4, 16, 8, 128)

@@ -218,7 +218,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
 #pragma unroll
       for (int x = 0; x < ROWS_THREAD; ++x) {
         const int j = t0 + j0 + x * (COPY_THREADS / KV_CHUNKS);
-        loc[x] = j < range.y ? a.k_layout.locate(req.kv_start, j) : make_int2(-1, 0);
+        loc[x] = j < range.y ? a.k_layout.locate(req, j) : make_int2(-1, 0);
       }
     };
     const KVType* k_head = a.k + (long long)w.hk * a.k_layout.stride_h + c;
@@ -268,7 +268,12 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       if (use > 0) mbar_wait(wg == 0 ? &empty_k[stage] : &empty_v[stage], (use - 1) & 1);
       const unsigned base = smem_addr(kv_s + (stage * 2 + wg) * BLOCK_N * TILE_ROW) + ws_dst;
       const int t0 = range.x + t * BLOCK_N;
-      if (TMA && a.kv_tma && t0 + BLOCK_N <= range.y) {
+      // ragged: the tile's keys lie in one run (the shared prefix's or the request's own), whose
+      // logical key 0 is row run0; a tile across the end of the shared prefix takes the
+      // per-row path at the end
+      const int run0 = ragged_base(req, t0);
+      const bool one_run = t0 >= req.shared_len || t0 + BLOCK_N <= req.shared_len;
+      if (TMA && a.kv_tma && t0 + BLOCK_N <= range.y && one_run) {
         // ragged, a whole tile of the range: TMA, one box of BLOCK_N rows per 64-column panel,
         // issued by one thread; the other 127 only arrive. (The last, partial tile of a range
         // is copied below, zero-filled past it, so that no row of another request, which may
@@ -280,16 +285,16 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
 #pragma unroll
           for (int pn = 0; pn < PANELS; ++pn)
             tma_load_3d(tile + pn * BLOCK_N * 128, &a.kv_maps->k + wg, pn * 64, w.hk,
-                        req.kv_start + t0, full);
+                        run0 + t0, full);
         } else {
           mbar_arrive(full);
         }
         return;
       }
-      if (ws_layout.kv_indices == nullptr) {
+      if (ws_layout.kv_indices == nullptr && one_run) {
         // ragged: the thread's rows are 16 rows apart in k / v, a fixed step from the first
         // (the general path below spends about 12 instructions a row on its address)
-        const char* src = ws_head + (long long)(req.kv_start + t0 + ws_r0) * ws_row_bytes;
+        const char* src = ws_head + (long long)(run0 + t0 + ws_r0) * ws_row_bytes;
         const int rows_left = range.y - t0 - ws_r0;  // row x is a key of the range if 16 x < it
 #pragma unroll
         for (int x = 0; x < WS_ROWS; ++x) {
@@ -326,13 +331,13 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         cp_async_mbar_arrive_noinc(wg == 0 ? &full_k[stage] : &full_v[stage]);
         return;
       }
-      // other page sizes: every row's page-table lookup before any copy: one memory latency
-      // per tile
+      // other page sizes, and ragged tiles across the end of a shared prefix: every row's
+      // location (page-table lookup) before any copy: one memory latency per tile
       int2 at[WS_ROWS];
 #pragma unroll
       for (int x = 0; x < WS_ROWS; ++x) {
         const int j = t0 + ws_r0 + 16 * x;
-        at[x] = j < range.y ? ws_layout.locate(req.kv_start, j) : make_int2(-1, 0);
+        at[x] = j < range.y ? ws_layout.locate(req, j) : make_int2(-1, 0);
       }
 #pragma unroll
       for (int x = 0; x < WS_ROWS; ++x) {

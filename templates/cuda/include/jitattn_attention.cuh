@@ -16,25 +16,37 @@ namespace ja {
 constexpr int WARP = 32;
 
 // Where one request's rows live: q_start/q_len index q and out; kv_start is the request's first
-// row of k/v (ragged) or its first entry in kv_indices (paged).
+// entry in kv_indices (paged) or, ragged, the row of k/v that holds its logical key 0 if its
+// keys were one run (see KVLayout::locate).
 // mask_offset, prefix_len and token_pos_offset serve the custom and multi-item masks.
+// Ragged, a request's keys may begin with a shared prefix: logical keys 0 .. shared_len - 1 are
+// rows shared_start .. of k/v (a run other requests read too), the rest its own run.
 struct Request {
-  int q_start, q_len, kv_start, kv_len, mask_offset, prefix_len, token_pos_offset;
+  int q_start, q_len, kv_start, kv_len, mask_offset, prefix_len, token_pos_offset, shared_len,
+      shared_start;
 };
 
-// From a plan's request table ([batch][8]: q_start, q_len, kv_len, kv_start, mask_offset,
-// prefix_len, token_pos_offset, -), from indptrs, or for a single request from the lengths.
+// From a plan's request table ([batch][12]: q_start, q_len, kv_len, kv_start, mask_offset,
+// prefix_len, token_pos_offset, shared_len, shared_start, -, -, -), from indptrs, or for a
+// single request from the lengths.
 __device__ __forceinline__ Request get_request(const int* requests, const int* qo_indptr,
                                                const int* kv_indptr, int single_qo_len,
                                                int single_kv_len, int b) {
   if (requests != nullptr) {
-    const int4 x = reinterpret_cast<const int4*>(requests)[2 * b];
-    const int4 y = reinterpret_cast<const int4*>(requests)[2 * b + 1];
-    return {x.x, x.y, x.w, x.z, y.x, y.y, y.z};
+    const int4 x = reinterpret_cast<const int4*>(requests)[3 * b];
+    const int4 y = reinterpret_cast<const int4*>(requests)[3 * b + 1];
+    const int sh = requests[12 * b + 8];
+    return {x.x, x.y, x.w, x.z, y.x, y.y, y.z, y.w, sh};
   }
-  if (qo_indptr == nullptr) return {0, single_qo_len, 0, single_kv_len, 0, 0, 0};
+  if (qo_indptr == nullptr) return {0, single_qo_len, 0, single_kv_len, 0, 0, 0, 0, 0};
   return {qo_indptr[b], qo_indptr[b + 1] - qo_indptr[b], kv_indptr[b],
-          kv_indptr[b + 1] - kv_indptr[b], 0, 0, 0};
+          kv_indptr[b + 1] - kv_indptr[b], 0, 0, 0, 0, 0};
+}
+
+// Ragged: the row of k/v that holds logical key 0 of the run key j lies in (j + it is key j's
+// row): the shared prefix's for j < shared_len, else the request's own run's.
+__device__ __forceinline__ int ragged_base(const Request& req, int j) {
+  return j < req.shared_len ? req.shared_start : req.kv_start;
 }
 
 // Data of the "custom" (bit-packed, little-endian bit order, row-major [q_len][kv_len] per
@@ -89,11 +101,12 @@ struct KVLayout {
                           // (page_size - 1) * stride_slot are < 2^31 (checked in launch.py)
   int stride_slot;        // elements between slots of a page (ragged: unused)
   int stride_h;           // elements between kv heads
-  // (page, slot) of key j; ragged: (row, 0). K and V share it when their tables are the same.
-  __device__ __forceinline__ int2 locate(int kv_start, int j) const {
-    if (kv_indices == nullptr) return make_int2(kv_start + j, 0);
+  // (page, slot) of key j of request req; ragged: (row, 0). K and V share it when their tables
+  // are the same.
+  __device__ __forceinline__ int2 locate(const Request& req, int j) const {
+    if (kv_indices == nullptr) return make_int2(ragged_base(req, j) + j, 0);
     const int page = page_size.div(j);
-    return make_int2(kv_indices[kv_start + page], j - page * page_size.d);
+    return make_int2(kv_indices[req.kv_start + page], j - page * page_size.d);
   }
   // elements from head hk's row 0 of page 0 to (page, slot): one 32 x 32 -> 64-bit multiply
   __device__ __forceinline__ long long row_offset(int2 loc) const {
