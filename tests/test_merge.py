@@ -68,25 +68,29 @@ def test_bad_states():
 def check_in_place_pair_merge(device):
     """merge_state_in_place (pair mode: two tensors, no stacking) gives what merge_states of the
     stacked states gives, bit for bit, written over the first state; rows empty in one or both
-    states included (o = 0, lse = -inf, no NaN). Softmax and sigmoid."""
+    states included (o = 0, lse = -inf, no NaN). Softmax and sigmoid; head_dim 96 (the CUDA
+    kernel.s 8-byte loads), 7 and tensors one element into their buffers (one element at a
+    time)."""
     gen = torch.Generator(device=device).manual_seed(11)
-    for reduction in ("softmax", "sigmoid"):
-        for dtype in (torch.float16, torch.float32):
-            o_a, o_b = (torch.randn(37, 3, 96, generator=gen, device=device).to(dtype)
+    for reduction, dtype, head_dim, offset in (
+            ("softmax", torch.float16, 96, 0), ("softmax", torch.float32, 96, 0),
+            ("sigmoid", torch.float16, 96, 0), ("softmax", torch.bfloat16, 7, 0),
+            ("softmax", torch.float16, 96, 1), ("sigmoid", torch.float32, 7, 1)):
+        o_a, o_b = (torch.randn(37 * 3 * head_dim + offset, generator=gen, device=device)
+                    .to(dtype)[offset:].view(37, 3, head_dim) for _ in range(2))
+        lse_a, lse_b = (torch.randn(37, 3, generator=gen, device=device) * 4
                         for _ in range(2))
-            lse_a, lse_b = (torch.randn(37, 3, generator=gen, device=device) * 4
-                            for _ in range(2))
-            lse_a[5], lse_b[9] = -math.inf, -math.inf
-            lse_a[20, 1] = lse_b[20, 1] = -math.inf
-            o_a[5], o_b[9], o_a[20, 1], o_b[20, 1] = 0, 0, 0, 0
-            want_o, want_lse = ja.merge_states(torch.stack([o_a, o_b]),
-                                               torch.stack([lse_a, lse_b]), reduction=reduction)
-            pair_o, pair_lse = ja.merge_state(o_a, lse_a, o_b, lse_b, reduction=reduction)
-            ja.merge_state_in_place(o_a, lse_a, o_b, lse_b, reduction=reduction)
-            for got_o, got_lse in ((pair_o, pair_lse), (o_a, lse_a)):
-                assert torch.equal(got_o, want_o) and torch.equal(got_lse, want_lse)
-            assert not o_a.isnan().any() and (o_a[20, 1] == 0).all()
-            assert lse_a[20, 1] == -math.inf
+        lse_a[5], lse_b[9] = -math.inf, -math.inf
+        lse_a[20, 1] = lse_b[20, 1] = -math.inf
+        o_a[5], o_b[9], o_a[20, 1], o_b[20, 1] = 0, 0, 0, 0
+        want_o, want_lse = ja.merge_states(torch.stack([o_a, o_b]),
+                                           torch.stack([lse_a, lse_b]), reduction=reduction)
+        pair_o, pair_lse = ja.merge_state(o_a, lse_a, o_b, lse_b, reduction=reduction)
+        ja.merge_state_in_place(o_a, lse_a, o_b, lse_b, reduction=reduction)
+        for got_o, got_lse in ((pair_o, pair_lse), (o_a, lse_a)):
+            assert torch.equal(got_o, want_o) and torch.equal(got_lse, want_lse)
+        assert not o_a.isnan().any() and (o_a[20, 1] == 0).all()
+        assert lse_a[20, 1] == -math.inf
 
 
 @pytest.mark.parametrize("device", DEVICES)
