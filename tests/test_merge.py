@@ -69,7 +69,7 @@ def check_in_place_pair_merge(device):
     """merge_state_in_place (pair mode: two tensors, no stacking) gives what merge_states of the
     stacked states gives, bit for bit, written over the first state; rows empty in one or both
     states included (o = 0, lse = -inf, no NaN). Softmax and sigmoid; head_dim 96 (the CUDA
-    kernel.s 8-byte loads), 7 and tensors one element into their buffers (one element at a
+    kernel's 8-byte loads), 7 and tensors one element into their buffers (one element at a
     time)."""
     gen = torch.Generator(device=device).manual_seed(11)
     for reduction, dtype, head_dim, offset in (
