@@ -139,4 +139,9 @@ def shared_prefixes(shared_prefix_start, shared_prefix_len, batch: int, kv_layou
         if len(x) and x.min() < 0:
             b = int(np.argmin(x))
             raise ValueError(f"{name}[{b}] is {x[b]}; expected >= 0")
-    return starts.astype(np.int64), lens.astype(np.int64)
+    starts, lens = starts.astype(np.int64), lens.astype(np.int64)
+    if len(lens) and (starts + lens).max() >= 1 << 31:  # the kernels' row numbers are int32
+        b = int(np.argmax(starts + lens))
+        raise ValueError(f"shared_prefix_start[{b}] + shared_prefix_len[{b}] is "
+                         f"{starts[b] + lens[b]}; expected < 2**31")
+    return starts, lens

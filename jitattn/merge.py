@@ -83,7 +83,18 @@ def merge_state(o_a, lse_a, o_b, lse_b, *, reduction: str = "softmax"):
     return out, lse_out
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of two contiguous tensors overlaps."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a.numel() > 0 and b.numel() > 0 and a.device == b.device and \
+        a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def merge_state_in_place(o, lse, o_other, lse_other, *, reduction: str = "softmax") -> None:
     """Merge (o_other, lse_other) into (o, lse), overwriting o and lse: one pass over the
-    states, no copies (o_other must not overlap o). See merge_states."""
+    states, no copies. Raises ValueError if o_other / lse_other overlap o / lse (the merge
+    would read rows it has overwritten). See merge_states."""
+    for name, x, y in (("o_other", o_other, o), ("lse_other", lse_other, lse)):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and _overlap(x, y):
+            raise ValueError(f"merge_state_in_place: {name} overlaps the state merged into")
     _merge_pair(o, lse, o_other, lse_other, o, lse, reduction)

@@ -176,11 +176,10 @@ class SharedPrefixPrefill:
 
     def _fits(self, strategy: str, prefix_len: int, suffix_lens) -> bool:
         """Whether ``strategy``'s plans fit the capacities given to the constructor (or
-        BatchPrefill's defaults) that plan() can foresee: requests per launch, the one-token
-        pages of the paged launches (naive, ragged, split's second), the dense mask of
-        custom_mask, the item positions of multi_item (split's second launch counts an empty
-        request that owns the rows before its suffixes). (Work items and partial rows depend on
-        the schedule; plan() checks them.)"""
+        BatchPrefill's defaults) that plan() can foresee: requests per launch (split's second
+        launch counts an empty request that owns the rows before its suffixes), naive's
+        one-token pages, the dense mask of custom_mask, the item positions of multi_item.
+        (Work items and partial rows depend on the schedule; plan() checks them.)"""
         def cap(name):
             return self._capacities.get(name, _CAPACITY_DEFAULTS[name])
         m, p, suffixes = len(suffix_lens), prefix_len, sum(suffix_lens)

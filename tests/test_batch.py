@@ -405,6 +405,10 @@ def test_shared_prefixes_are_checked():
     with pytest.raises(ValueError, match=r"shared_prefix_len\[1\] is -2; expected >= 0"):
         w.plan(qo, kv, None, None, 4, 2, 64, shared_prefix_start=torch.tensor([0, 0], **i32),
                shared_prefix_len=torch.tensor([1, -2], **i32))
+    with pytest.raises(ValueError, match=r"is 2147483648; expected < 2\*\*31"):
+        w.plan(qo, kv, None, None, 4, 2, 64,
+               shared_prefix_start=torch.tensor([0, 2 ** 31 - 2], **i32),
+               shared_prefix_len=torch.tensor([1, 2], **i32))
     with pytest.raises(ValueError, match="has 1 entries; expected one per request"):
         w.plan(qo, kv, None, None, 4, 2, 64, shared_prefix_start=torch.tensor([0], **i32),
                shared_prefix_len=torch.tensor([1, 1], **i32))

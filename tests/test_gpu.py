@@ -5,6 +5,8 @@ lengths are not multiples of the tiles, including q_len > kv_len under causal ma
 rows: out 0, lse -inf), empty and one-token requests; both the prefill and the decode kernels.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -134,3 +136,18 @@ def test_fullgraph_inductor_compile_on_gpu():
 def test_in_place_pair_merge_equals_stacked_merge_gpu():
     from test_merge import check_in_place_pair_merge
     check_in_place_pair_merge("cuda")
+
+
+def test_pair_merge_addresses_past_2_to_the_31_elements():
+    """merge_state_in_place over 2**24 + 64 rows of 128 (over 2**31 elements): the second
+    state's rows are addressed in 64 bits (a 32-bit product faulted there)."""
+    rows, d = (1 << 24) + 64, 128
+    o_a = torch.zeros(rows, d, dtype=torch.float16, device="cuda")
+    o_b = torch.ones(rows, d, dtype=torch.float16, device="cuda")
+    lse_a = torch.zeros(rows, device="cuda")
+    lse_b = torch.zeros(rows, device="cuda")
+    lse_a[-64:] = -math.inf
+    ja.merge_state_in_place(o_a, lse_a, o_b, lse_b)
+    torch.cuda.synchronize()
+    assert (o_a[-64:] == 1).all() and (lse_a[-64:] == 0).all()
+    assert (o_a[:64] == 0.5).all()

@@ -345,8 +345,9 @@ def test_ragged_shared_prefixes_match_reference_gpu(head_dim, dtype):
     """Shared prefixes of 300 / 128 / 129 keys: whole tiles of the prefix and of the own run
     (TMA at head_dim 64 / 128), tiles across the prefix's end (per-row copies), requests
     without a prefix, empty and one-token requests; the prefill tiles, then the 16-row tiles
-    (queries of at most 4 packed rows x GQA 4); causal, and ALiBi with fused RoPE (key
-    positions count from the prefix)."""
+    (queries of at most 4 packed rows x GQA 4); causal, a sliding window of 100 (ranges that
+    start inside the prefix), and ALiBi with fused RoPE (key positions count from the
+    prefix)."""
     slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
     alibi_rope = ja.Variant("alibi_rope", mask="causal",
                             score_mod=lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi),
@@ -355,6 +356,7 @@ def test_ragged_shared_prefixes_match_reference_gpu(head_dim, dtype):
                     (1, 500, 3)]
     short_queries = [(0, 1, 257), (1, 1, 1), (2, 1, 0), (None, 1, 140), (0, 0, 5)]
     for variant, params in ((ja.Variant("causal", mask="causal"), {}),
+                            (ja.Variant("window", mask="causal", window_left=100), {}),
                             (alibi_rope, {"slopes": ja.alibi_slopes(16).cuda()})):
         for requests in (long_queries, short_queries):
             check_shared_prefix_batch(variant, params, "cuda", dtype, 16, 4, head_dim, requests,

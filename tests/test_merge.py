@@ -96,3 +96,12 @@ def check_in_place_pair_merge(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_in_place_pair_merge_equals_stacked_merge(device):
     check_in_place_pair_merge(device)
+
+
+def test_in_place_merge_rejects_overlapping_states():
+    o, lse = torch.randn(6, 2, 64), torch.randn(6, 2)
+    with pytest.raises(ValueError, match="o_other overlaps"):
+        ja.merge_state_in_place(o[:3], lse[:3], o[1:4], lse[3:])
+    with pytest.raises(ValueError, match="lse_other overlaps"):
+        ja.merge_state_in_place(o[:3], lse[:3], o[3:], lse[2:5])
+    ja.merge_state_in_place(o[:3], lse[:3], o[3:], lse[3:])  # disjoint halves of one buffer

@@ -86,8 +86,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // tile before their first use.
   // Within a work item the two warpgroups do not meet at block barriers: warpgroup 0 copies the K
   // tiles and warpgroup 1 the V tiles (cp.async, completion signalled on an mbarrier per stage:
-  // full; ragged K / V at head_dim 64 / 128: one thread's TMA copy of each whole tile, completing
-  // its bytes on the same barrier), every thread signals when its warpgroup's products no longer
+  // full; ragged K / V at head_dim 64 / 128: one thread's TMA copy of each whole tile inside one
+  // run of rows, completing its bytes on the same barrier), every thread signals when its
+  // warpgroup's products no longer
   // read a stage (empty), and the two warpgroups take turns issuing their products (two named
   // barriers; FlashAttention-3's ping-pong, section 3.1), so that one's softmax runs under the
   // other's products. Warpgroup 0 leads by about half a tile: it copies K, which both read first,
@@ -272,7 +273,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       // logical key 0 is row run0; a tile across the end of the shared prefix takes the
       // per-row path at the end
       const int run0 = ragged_base(req, t0);
-      const bool one_run = t0 >= req.shared_len || t0 + BLOCK_N <= req.shared_len;
+      const bool one_run = t0 >= req.shared_len || min(t0 + BLOCK_N, range.y) <= req.shared_len;
       if (TMA && a.kv_tma && t0 + BLOCK_N <= range.y && one_run) {
         // ragged, a whole tile of the range: TMA, one box of BLOCK_N rows per 64-column panel,
         // issued by one thread; the other 127 only arrive. (The last, partial tile of a range

@@ -76,7 +76,8 @@ __device__ __forceinline__ bool data_mask(const Request& req, const MaskData& md
 
 // Element offset of logical key j of a request in a K or V cache. Paged: the page table maps j to
 // (kv_indices[kv_start + j / page_size], j % page_size) (FlashInfer paper, section 3.1); ragged
-// caches are the special case page_size 1 with no table.
+// caches have no table: key j is a row of the request's shared prefix or of its own run
+// (ragged_base).
 // n / d and n % d for a divisor d >= 1 fixed at launch and 0 <= n < 2^31, by one multiply-high
 // (Granlund and Montgomery, "Division by invariant integers using multiplication", PLDI 1994,
 // section 4): s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1, n / d = (mulhi(n, m) + n) >> s.

@@ -29,7 +29,7 @@ struct Args {
   float* lse;      // [total_q, num_qo_heads], natural log
   const int* qo_indptr;  // [batch + 1] or nullptr (single request or planned)
   const int* kv_indptr;
-  const int* requests;   // plan: [batch][8], see get_request; or nullptr
+  const int* requests;   // plan: [batch][12], see get_request; or nullptr
   const int* items;      // plan: [n][8] request, kv_head, row0, kv_lo, kv_hi, partial, -, -
   const int* cta_indptr; // plan: [num_ctas + 1]
   float* partial_o;      // plan: [partial rows][HEAD_DIM]
