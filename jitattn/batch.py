@@ -208,6 +208,7 @@ class BatchPrefill:
             total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, batch=batch, kind=kernel_kind,
             max_page=inputs.max_page, shared_kv=shared_kv,
+            shared_prefixes=inputs.shared_lens is not None,
             sm_scale=launch.resolve_sm_scale(sm_scale, head_dim),
             sizes=dict(batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                        qo_len=max_qo, kv_len=max_kv))
@@ -316,8 +317,10 @@ class BatchPrefill:
                                  f"aligned")
             if pl["max_page"] >= c.shape[0]:
                 unit = "token" if self.kv_layout == "ragged" else "page"
-                raise ValueError(f"the plan refers to {unit} {pl['max_page']} but {name} has "
-                                 f"{c.shape[0]} {unit}s (dim 0)")
+                where = " (kv_indptr[-1] - 1, or the last row of a shared prefix: " \
+                    "shared_prefix_start + shared_prefix_len - 1)" if pl["shared_prefixes"] else ""
+                raise ValueError(f"the plan refers to {unit} {pl['max_page']}{where} but {name} "
+                                 f"has {c.shape[0]} {unit}s (dim 0)")
         s0, s1, s2 = q.stride()
         if s2 != 1 or s0 % 8 or s1 % 8 or q.data_ptr() % 16:
             raise ValueError(f"q has strides {q.stride()}; expected the last dim contiguous, "

@@ -60,13 +60,15 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, reduction: str = "softma
     return out, lse_out
 
 
-def _merge_pair(o_a, lse_a, o_b, lse_b, out, lse_out, reduction: str) -> None:
-    """Checked pair-mode merge of (o_b, lse_b) into (o_a, lse_a), written to (out, lse_out)."""
-    _check_state("merge_state (a)", o_a, lse_a)
-    _check_state("merge_state (b)", o_b, lse_b)
+def _merge_pair(o_a, lse_a, o_b, lse_b, out, lse_out, reduction: str, *, caller: str,
+                names: tuple) -> None:
+    """Checked pair-mode merge of (o_b, lse_b) into (o_a, lse_a), written to (out, lse_out);
+    errors name ``caller`` and its two states' argument names."""
+    _check_state(f"{caller} ({names[0]})", o_a, lse_a)
+    _check_state(f"{caller} ({names[1]})", o_b, lse_b)
     if o_a.shape != o_b.shape or o_a.dtype != o_b.dtype or o_a.device != o_b.device:
-        raise ValueError(f"merge_state: states differ: a {tuple(o_a.shape)} {o_a.dtype} "
-                         f"{o_a.device}, b {tuple(o_b.shape)} {o_b.dtype} {o_b.device}")
+        raise ValueError(f"{caller}: states differ: {names[0]} {tuple(o_a.shape)} {o_a.dtype} "
+                         f"{o_a.device}, {names[1]} {tuple(o_b.shape)} {o_b.dtype} {o_b.device}")
     if reduction not in ("softmax", "sigmoid"):
         raise ValueError(f"reduction={reduction!r}: expected 'softmax' or 'sigmoid'")
     rows = lse_a.numel()
@@ -79,7 +81,8 @@ def merge_state(o_a, lse_a, o_b, lse_b, *, reduction: str = "softmax"):
     """Merge two attention states of the same shape: o [..., head_dim], lse [...] float32.
     Returns (o, lse). See merge_states."""
     out, lse_out = torch.empty_like(o_a), torch.empty_like(lse_a)
-    _merge_pair(o_a, lse_a, o_b, lse_b, out, lse_out, reduction)
+    _merge_pair(o_a, lse_a, o_b, lse_b, out, lse_out, reduction, caller="merge_state",
+                names=("o_a, lse_a", "o_b, lse_b"))
     return out, lse_out
 
 
@@ -97,4 +100,5 @@ def merge_state_in_place(o, lse, o_other, lse_other, *, reduction: str = "softma
     for name, x, y in (("o_other", o_other, o), ("lse_other", lse_other, lse)):
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and _overlap(x, y):
             raise ValueError(f"merge_state_in_place: {name} overlaps the state merged into")
-    _merge_pair(o, lse, o_other, lse_other, o, lse, reduction)
+    _merge_pair(o, lse, o_other, lse_other, o, lse, reduction, caller="merge_state_in_place",
+                names=("o, lse", "o_other, lse_other"))

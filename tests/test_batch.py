@@ -414,7 +414,8 @@ def test_shared_prefixes_are_checked():
                shared_prefix_len=torch.tensor([1, 1], **i32))
     w.plan(qo, kv, None, None, 4, 2, 64, shared_prefix_start=torch.tensor([0, 6], **i32),
            shared_prefix_len=torch.tensor([1, 4], **i32))
-    with pytest.raises(ValueError, match="refers to token 9 but k_cache has 9 tokens"):
+    with pytest.raises(ValueError, match=r"refers to token 9 \(kv_indptr\[-1\] - 1, or the "
+                       r"last row of a shared prefix.*\) but k_cache has 9 tokens"):
         w.run(q, (k, v))
     paged = ja.BatchPrefill(ja.Variant("c", mask="causal"), device="cpu")
     with pytest.raises(ValueError, match="need kv_layout='ragged'"):

@@ -98,6 +98,14 @@ def test_in_place_pair_merge_equals_stacked_merge(device):
     check_in_place_pair_merge(device)
 
 
+def test_pair_merge_errors_name_the_callers_arguments():
+    o, lse = torch.randn(4, 2, 64), torch.randn(4, 2)
+    with pytest.raises(TypeError, match=r"merge_state_in_place \(o_other, lse_other\): lse has"):
+        ja.merge_state_in_place(o, lse, o.clone(), lse.half())
+    with pytest.raises(ValueError, match="merge_state: states differ: o_a, lse_a"):
+        ja.merge_state(o, lse, o[:2], lse[:2])
+
+
 def test_in_place_merge_rejects_overlapping_states():
     o, lse = torch.randn(6, 2, 64), torch.randn(6, 2)
     with pytest.raises(ValueError, match="o_other overlaps"):
