@@ -146,11 +146,12 @@ def check_linear_partition(kind: str, device: str, monkeypatch) -> None:
 
 
 def check_shared_prefix_batch(variant, params, device, dtype, hq, hkv, head_dim, requests,
-                              prefix_lens, seed, split_kv=True):
+                              prefix_lens, seed, split_kv=True, fp8_scale=None):
     """A ragged batch whose requests read shared prefixes (plan(shared_prefix_start=,
     shared_prefix_len=)) against the reference over each request's keys gathered into one run.
     requests: (prefix: an index into prefix_lens or None, q_len, own_len) per request. k / v
-    hold the own runs first (kv_indptr), then two junk rows and each prefix."""
+    hold the own runs first (kv_indptr), then two junk rows and each prefix. fp8_scale: run
+    over an fp8 e4m3 copy of k / v with that scale (the reference over its exact values)."""
     gen = torch.Generator().manual_seed(seed)
     own = [n for _, _, n in requests]
     n_own = sum(own)
@@ -167,12 +168,16 @@ def check_shared_prefix_batch(variant, params, device, dtype, hq, hkv, head_dim,
     kv_indptr = torch.tensor([0, *torch.tensor(own).cumsum(0).tolist()], **i32)
     starts = torch.tensor([0 if p is None else prefix_at[p] for p, _, _ in requests], **i32)
     lens = torch.tensor([0 if p is None else prefix_lens[p] for p, _, _ in requests], **i32)
+    cache, scales = (k, v), {}
+    if fp8_scale is not None:
+        (k8, k), (v8, v) = quantize_fp8(k, fp8_scale), quantize_fp8(v, fp8_scale)
+        cache, scales = (k8, v8), dict(k_scale=fp8_scale, v_scale=fp8_scale)
     w = ja.BatchPrefill(variant, kv_layout="ragged", device=device, split_kv=split_kv)
     w.plan(qo_indptr, kv_indptr, None, None, hq, hkv, head_dim, q_dtype=dtype,
-           shared_prefix_start=starts, shared_prefix_len=lens)
+           kv_dtype=cache[0].dtype, shared_prefix_start=starts, shared_prefix_len=lens)
     out = torch.full(q.shape, math.nan, dtype=dtype, device=device)
     lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=device)
-    w.run(q, (k, v), out=out, lse=lse, **params)
+    w.run(q, cache, out=out, lse=lse, **scales, **params)
     rows = [torch.cat([torch.arange(s, s + n), torch.arange(a, b)])
             for s, n, a, b in zip(starts.tolist(), lens.tolist(), kv_indptr[:-1].tolist(),
                                   kv_indptr[1:].tolist())]

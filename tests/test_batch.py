@@ -396,6 +396,13 @@ def test_ragged_shared_prefixes_match_reference(split_kv, keep_splits):
                               split_kv=split_kv)
 
 
+def test_ragged_shared_prefixes_over_an_fp8_cache():
+    """Shared prefixes over fp8 e4m3 K/V (dequantized on load, scales folded in)."""
+    requests = [(0, 5, 7), (None, 9, 30), (0, 140, 150), (0, 1, 0)]
+    check_shared_prefix_batch(ja.Variant("c", mask="causal"), {}, "cpu", torch.bfloat16, 8, 2,
+                              128, requests, prefix_lens=[131], seed=9, fp8_scale=0.5)
+
+
 def test_shared_prefixes_are_checked():
     q, k, v, qo, kv = make_batch([2, 3], [4, 5], 4, 2, 64, torch.float16, "cpu", seed=1)
     i32 = dict(dtype=torch.int32)
