@@ -251,17 +251,24 @@ class SharedPrefixPrefill:
             as_dev = lambda x: torch.as_tensor(x, dtype=torch.long, device=self.device)  # noqa
             steps.append(("naive", (as_dev(gather), as_dev(first), as_dev(gather[first])),
                           "naive", None))
-        elif strategy == "ragged":  # request 0's keys are [P, S_0], the others' P + S_i
-            contiguous("ragged", self.variant, [np.arange(first_suffix)] + own[1:],
-                       [first_suffix] + s[1:], shared_lens=[0] + [p] * (len(s) - 1))
-            steps.append(("ragged", slice(0, total), "direct", slice(0, total)))
-        elif strategy == "split":
-            contiguous("split0", self.variant, [np.arange(first_suffix)], [first_suffix])
-            steps.append(("split0", slice(0, first_suffix), "direct", slice(0, first_suffix)))
-            if len(s) > 1:  # an empty request owns rows 0 .. first_suffix - 1 (kv_indptr[0] = 0)
-                contiguous("split1", self.variant, [[]] + own[1:], [first_suffix] + s[1:],
-                           shared_lens=[0] + [p] * (len(s) - 1))
-                steps.append(("split1", slice(first_suffix, total), "direct", slice(0, total)))
+        elif strategy in ("ragged", "split"):
+            # the keys of ragged's launch and of split's second: request 0 owns rows
+            # 0 .. first_suffix - 1 ([P, S_0]), request i >= 1 reads the prefix's rows as a
+            # shared prefix, then its suffix
+            own_kv, shared_kv = [first_suffix] + s[1:], [0] + [p] * (len(s) - 1)
+            if strategy == "ragged":
+                contiguous("ragged", self.variant, [np.arange(first_suffix)] + own[1:], own_kv,
+                           shared_lens=shared_kv)
+                steps.append(("ragged", slice(0, total), "direct", slice(0, total)))
+            else:
+                contiguous("split0", self.variant, [np.arange(first_suffix)], [first_suffix])
+                steps.append(("split0", slice(0, first_suffix), "direct",
+                              slice(0, first_suffix)))
+                if len(s) > 1:  # request 0 has no queries here (it only owns the rows)
+                    contiguous("split1", self.variant, [[]] + own[1:], own_kv,
+                               shared_lens=shared_kv)
+                    steps.append(("split1", slice(first_suffix, total), "direct",
+                                  slice(0, total)))
         elif strategy == "cascade":  # every level reads consecutive keys: no page tables
             if p:
                 contiguous("prefix", self.variant, [prefix_ids], [p])
