@@ -88,6 +88,7 @@ class BatchPrefill:
             raise ValueError(f"query_tile={query_tile!r}: expected one of {QUERY_TILES}")
         self.query_tile = query_tile
         self._captured_kind: str | None = None  # the kernel a CUDA graph captured run() with
+        self._captured_shared_kv: bool | None = None  # and whether its build reads shared prefixes
         self.variant, self.page_size, self.kv_layout = variant, page_size, kv_layout
         self.device = resolve_device(device)
         self._handle = ops.register_wrapper(self)  # torch.compile: the op finds us by it
@@ -157,6 +158,15 @@ class BatchPrefill:
                                      self.capacity)
         kernel_kind = self._kernel_kind(max_qo, num_qo_heads // num_kv_heads, head_dim)
         rows, num_ctas, kv_tile = self._launch_shape(kernel_kind, q_dtype, kv_dtype, head_dim)
+        # the CUDA build that reads shared prefixes, for plans that have some (or when a CUDA
+        # graph captured it: the graph replays that kernel)
+        shared_kv = inputs.shared_lens is not None and bool((inputs.shared_lens > 0).any())
+        if shared_kv and self._captured_shared_kv is False:
+            raise ValueError("this plan has shared prefixes, but a CUDA graph captured run() "
+                             "with the kernel built without them, which the graph replays; "
+                             "use one wrapper per graph, or capture after a plan with shared "
+                             "prefixes")
+        shared_kv = shared_kv or bool(self._captured_shared_kv)
         # ragged with shared prefixes: kv_start is where logical key 0 would be if the own run
         # held all keys (the kernels add the key index to it past the prefix)
         kv_starts = kv[:-1] if inputs.shared_lens is None else kv[:-1] - inputs.shared_lens
@@ -197,7 +207,8 @@ class BatchPrefill:
         self._planned = dict(
             total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, batch=batch, kind=kernel_kind,
-            max_page=inputs.max_page, shared_prefixes=inputs.shared_lens is not None,
+            max_page=inputs.max_page, shared_kv=shared_kv,
+            shared_prefixes=inputs.shared_lens is not None,
             sm_scale=launch.resolve_sm_scale(sm_scale, head_dim),
             sizes=dict(batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                        qo_len=max_qo, kv_len=max_kv))
@@ -363,10 +374,11 @@ class BatchPrefill:
                              num_kv_heads=pl["num_kv_heads"], kind=pl["kind"], plan=device_plan,
                              batch=pl["batch"], max_qo_len=pl["sizes"]["qo_len"],
                              single_qo_len=0, single_kv_len=0,
-                             sm_scale=pl["sm_scale"] * k_scale)
+                             sm_scale=pl["sm_scale"] * k_scale, shared_kv=pl["shared_kv"])
         capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if capturing:
             self._captured_kind = pl["kind"]
+            self._captured_shared_kv = pl["shared_kv"]
         if capturing or len(plan.merge_rows):
             # always while a CUDA graph is captured: the row count is read on the device, so
             # the graph replays correctly after a plan with more (or fewer) merges

@@ -102,14 +102,17 @@ def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = 
 
 
 def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "prefill",
-               dtype_tag: str = "f16", device_index: int = 0, kv_tag: str | None = None):
+               dtype_tag: str = "f16", device_index: int = 0, kv_tag: str | None = None,
+               shared_kv: bool = False):
     """A loaded kernel for this specialisation (CudaKernel or CpuKernel), memoised. kv_tag:
-    the KV cache's dtype tag when it differs from dtype_tag ("e4m3")."""
+    the KV cache's dtype tag when it differs from dtype_tag ("e4m3"). shared_kv: the CUDA
+    kernel for ragged keys with shared prefixes (render.render_cuda; the CPU backend reads
+    them in every build)."""
     kv_tag = kv_tag or dtype_tag
     # the tiles follow from the rest (render.tiles_for_variant of the device's arch), so the
     # key leaves them out: a warm call builds nothing
     memo_key = (variant.key, backend, head_dim) if backend == "cpu" else (
-        variant.key, backend, kind, dtype_tag, kv_tag, head_dim, device_index)
+        variant.key, backend, kind, dtype_tag, kv_tag, head_dim, device_index, shared_kv)
     kernel = _MEMO.get(memo_key)
     if kernel is not None:
         return kernel
@@ -121,7 +124,7 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
         kernel = load.load_cpu(path, src)
     else:
         src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag, head_dim=head_dim,
-                                 tiles=tiles, kv_tag=kv_tag)
+                                 tiles=tiles, kv_tag=kv_tag, shared_kv=shared_kv)
         path, _ = compile_cached(src, arch)
         kernel = load.load_cuda(path, src, device_index)
     _MEMO[memo_key] = kernel

@@ -214,9 +214,10 @@ def device_index(t: torch.Tensor) -> int:
 def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int, kind: str,
                   qo_indptr=None, kv_indptr=None, plan: DevicePlan | None = None, batch: int,
                   max_qo_len: int, single_qo_len: int, single_kv_len: int,
-                  sm_scale: float) -> None:
+                  sm_scale: float, shared_kv: bool = False) -> None:
     """Launch one attention kernel: the CPU backend for CPU tensors, else the CUDA kernel of
-    ``kind`` ("prefill" | "decode"), on a persistent grid of plan.num_ctas CTAs when planned."""
+    ``kind`` ("prefill" | "decode"), on a persistent grid of plan.num_ctas CTAs when planned;
+    shared_kv: the build that reads shared prefixes (the plan has some)."""
     head_dim = q.shape[2]
     kinds, values = attention_args(
         q, kv, out, lse, variant, bound, num_kv_heads=num_kv_heads, qo_indptr=qo_indptr,
@@ -229,7 +230,8 @@ def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
         return
     index = device_index(q)
     kernel = jit.get_kernel(variant, backend="cuda", kind=kind, dtype_tag=tag,
-                            head_dim=head_dim, device_index=index, kv_tag=kv_tag)
+                            head_dim=head_dim, device_index=index, kv_tag=kv_tag,
+                            shared_kv=shared_kv)
     if kernel.tma:
         kinds = _attention_kinds(variant, tma=True)
         values += tma_values(kv, kernel.kv_tile)

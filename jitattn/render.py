@@ -214,10 +214,14 @@ def _hook_lines(code: str, variant: Variant) -> dict:
 
 def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
                 tiles: Tiles | None = None, kv_tag: str | None = None,
-                arch: str | None = None) -> RenderedSource:
+                arch: str | None = None, shared_kv: bool = False) -> RenderedSource:
     """CUDA source of one prefill or decode kernel: q / o of dtype_tag ("f16" | "bf16") over a
     KV cache of kv_tag (default the same; "e4m3": fp8, dequantized on load). tiles: default
-    the ones jitattn picks for ``arch`` (tiles_for_variant)."""
+    the ones jitattn picks for ``arch`` (tiles_for_variant). shared_kv: the kernel reads ragged
+    keys whose requests may begin with a shared prefix (BatchPrefill.plan's
+    shared_prefix_start / shared_prefix_len); without it the copies assume one run per request
+    (finding the run of every tile cost plain prefill 1-2% on the H200, docs/performance.md
+    session 10)."""
     kv_tag = kv_tag or dtype_tag
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: expected one of {KINDS}")
@@ -235,11 +239,12 @@ def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
         dtype=dtypes.CTYPE["cuda"][dtype_tag], kv_dtype=dtypes.CTYPE["cuda"][kv_tag],
         head_dim=head_dim, num_warps=tiles.num_warps, rows=tiles.rows, kv_tile=tiles.kv_tile,
         stages=tiles.stages, wgmma=tiles.wgmma, tma=tiles.wgmma and head_dim <= 128,
-        entry=entry, param_args=decls, param_names=names,
+        shared_kv=shared_kv, entry=entry, param_args=decls, param_names=names,
         variant_code=render_variant(variant, backend="cuda", head_dim=head_dim))
     return RenderedSource(
         code=code, lang="cuda", name=f"{variant.key}-{kind}-{dtype_tag}"
-        f"{'' if kv_tag == dtype_tag else '-kv_' + kv_tag}-d{head_dim}",
+        f"{'' if kv_tag == dtype_tag else '-kv_' + kv_tag}-d{head_dim}"
+        f"{'-shared_kv' if shared_kv else ''}",
         entries=(entry,), include_dirs=_include_dirs("cuda"),
         headers_digest=_headers_digest("cuda"), hooks=_hook_lines(code, variant), kind=kind,
         head_dim=head_dim, tiles=tiles, kv_fp8=kv_tag == "e4m3",

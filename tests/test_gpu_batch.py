@@ -361,3 +361,40 @@ def test_ragged_shared_prefixes_match_reference_gpu(head_dim, dtype):
         for requests in (long_queries, short_queries):
             check_shared_prefix_batch(variant, params, "cuda", dtype, 16, 4, head_dim, requests,
                                       prefix_lens=[300, 128, 129], seed=head_dim)
+
+
+def test_cuda_graph_keeps_the_shared_prefix_build():
+    """A BatchPrefill captured after a plan with shared prefixes replays the build that reads
+    them, correctly after plans with and without prefixes; one captured on the plain build
+    refuses a plan with prefixes (its graph would replay a kernel that reads one run)."""
+    hq, hkv, d = 8, 2, 128
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(900, hkv, d, generator=gen).half().cuda() for _ in range(2))
+    q = torch.empty(300, hq, d, dtype=torch.float16, device="cuda")
+    out = torch.empty_like(q)
+    i32 = dict(dtype=torch.int32)
+    qo, kv = _cumsum([200, 100]), _cumsum([250, 150])
+    with_prefix = dict(shared_prefix_start=torch.tensor([500, 500], **i32),
+                       shared_prefix_len=torch.tensor([300, 300], **i32))
+    variant = ja.Variant("causal", mask="causal")
+    w = ja.BatchPrefill(variant, kv_layout="ragged")
+    w.plan(qo, kv, None, None, hq, hkv, d, **with_prefix)
+    graph = _capture(lambda: w.run(q, (k, v), out=out))
+    for prefix in (None, with_prefix, None):
+        w.plan(qo, kv, None, None, hq, hkv, d, **(prefix or {}))
+        q.copy_(torch.randn(300, hq, d, generator=gen).half())
+        graph.replay()
+        torch.cuda.synchronize()
+        starts = [500, 500] if prefix else [0, 0]
+        lens = [300, 300] if prefix else [0, 0]
+        rows = [torch.cat([torch.arange(s, s + n), torch.arange(a, b)])
+                for s, n, a, b in zip(starts, lens, kv[:-1].tolist(), kv[1:].tolist())]
+        ref = reference.attention(q, k[torch.cat(rows).cuda()], v[torch.cat(rows).cuda()],
+                                  variant, qo_indptr=qo,
+                                  kv_indptr=_cumsum([len(r) for r in rows]))
+        torch.testing.assert_close(out, ref.half(), **TOL[torch.float16])
+    plain = ja.BatchPrefill(variant, kv_layout="ragged")
+    plain.plan(qo, kv, None, None, hq, hkv, d)
+    _capture(lambda: plain.run(q, (k, v), out=out))
+    with pytest.raises(ValueError, match="captured run\\(\\) with the kernel built without"):
+        plain.plan(qo, kv, None, None, hq, hkv, d, **with_prefix)

@@ -66,6 +66,23 @@ def test_nvcc_compiles_sm90a(name, kind, dtype_tag, head_dim, kv_tag, arch):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("kind, arch, head_dim", [("prefill", "sm_90a", 128),
+                                                 ("prefill", "sm_90a", 256),
+                                                 ("prefill", None, 64), ("decode", None, 128)])
+def test_the_shared_prefix_build_compiles_and_is_its_own_kernel(kind, arch, head_dim):
+    """The build for ragged keys with shared prefixes (shared_kv) compiles on the wgmma, mma
+    and 16-row kernels; it is named and cached apart from the plain build, whose copies do
+    not look for a prefix's end."""
+    v = _example("alibi")
+    plain, shared = (render.render_cuda(v, kind=kind, dtype_tag="f16", head_dim=head_dim,
+                                        arch=arch, shared_kv=flag) for flag in (False, True))
+    assert shared.name == plain.name + "-shared_kv" and shared.code != plain.code
+    assert ", true>(args, params)" in shared.code and ", false>(args, params)" in plain.code
+    path, _ = jit.compile_cached(shared, "sm_90a")
+    assert path.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_nvcc
 @pytest.mark.parametrize("mask", ["custom", "multi_item"])
 def test_nvcc_compiles_data_masks_on_the_16_row_tiles(mask):
     """Short prefills (every request within 16 packed rows) run the decode kernel, with the

@@ -41,7 +41,7 @@ __device__ __forceinline__ void rope_tile(DType* s, int rows, Pos pos, int tid, 
 }
 
 template <typename DType, typename KVType, int HEAD_DIM, int NUM_WARPS, int ROWS_WARP,
-          int BLOCK_N, int STAGES, bool SPLIT_KEYS, bool WGMMA = false>
+          int BLOCK_N, int STAGES, bool SPLIT_KEYS, bool WGMMA, bool SHARED_KV>
 __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const VariantParams& p) {
   constexpr int MT = ROWS_WARP / 16;       // 16-row blocks per warp: each K/V fragment feeds MT mmas
   constexpr int ROWS_CTA = SPLIT_KEYS ? ROWS_WARP : NUM_WARPS * ROWS_WARP;
@@ -219,7 +219,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
 #pragma unroll
       for (int x = 0; x < ROWS_THREAD; ++x) {
         const int j = t0 + j0 + x * (COPY_THREADS / KV_CHUNKS);
-        loc[x] = j < range.y ? a.k_layout.locate(req, j) : make_int2(-1, 0);
+        loc[x] = j < range.y ? a.k_layout.template locate<SHARED_KV>(req, j)
+                             : make_int2(-1, 0);
       }
     };
     const KVType* k_head = a.k + (long long)w.hk * a.k_layout.stride_h + c;
@@ -272,8 +273,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       // ragged: the tile's keys lie in one run (the shared prefix's or the request's own), whose
       // logical key 0 is row run0; a tile across the end of the shared prefix takes the
       // per-row path at the end
-      const int run0 = ragged_base(req, t0);
-      const bool one_run = t0 >= req.shared_len || min(t0 + BLOCK_N, range.y) <= req.shared_len;
+      const int run0 = ragged_base<SHARED_KV>(req, t0);
+      const bool one_run = !SHARED_KV || t0 >= req.shared_len ||
+                           min(t0 + BLOCK_N, range.y) <= req.shared_len;
       if (TMA && a.kv_tma && t0 + BLOCK_N <= range.y && one_run) {
         // ragged, a whole tile of the range: TMA, one box of BLOCK_N rows per 64-column panel,
         // issued by one thread; the other 127 only arrive. (The last, partial tile of a range
@@ -338,7 +340,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
 #pragma unroll
       for (int x = 0; x < WS_ROWS; ++x) {
         const int j = t0 + ws_r0 + 16 * x;
-        at[x] = j < range.y ? ws_layout.locate(req, j) : make_int2(-1, 0);
+        at[x] = j < range.y ? ws_layout.template locate<SHARED_KV>(req, j)
+                             : make_int2(-1, 0);
       }
 #pragma unroll
       for (int x = 0; x < WS_ROWS; ++x) {

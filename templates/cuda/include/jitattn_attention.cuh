@@ -44,9 +44,13 @@ __device__ __forceinline__ Request get_request(const int* requests, const int* q
 }
 
 // Ragged: the row of k/v that holds logical key 0 of the run key j lies in (j + it is key j's
-// row): the shared prefix's for j < shared_len, else the request's own run's.
+// row): the shared prefix's for j < shared_len, else the request's own run's. SHARED_KV: the
+// kernel was built for batches with shared prefixes (render.py's shared_kv); the others' keys
+// are one run, and their copies spend nothing on finding it.
+template <bool SHARED_KV>
 __device__ __forceinline__ int ragged_base(const Request& req, int j) {
-  return j < req.shared_len ? req.shared_start : req.kv_start;
+  if constexpr (SHARED_KV) return j < req.shared_len ? req.shared_start : req.kv_start;
+  else return req.kv_start;
 }
 
 // Data of the "custom" (bit-packed, little-endian bit order, row-major [q_len][kv_len] per
@@ -104,8 +108,9 @@ struct KVLayout {
   int stride_h;           // elements between kv heads
   // (page, slot) of key j of request req; ragged: (row, 0). K and V share it when their tables
   // are the same.
+  template <bool SHARED_KV>
   __device__ __forceinline__ int2 locate(const Request& req, int j) const {
-    if (kv_indices == nullptr) return make_int2(ragged_base(req, j) + j, 0);
+    if (kv_indices == nullptr) return make_int2(ragged_base<SHARED_KV>(req, j) + j, 0);
     const int page = page_size.div(j);
     return make_int2(kv_indices[req.kv_start + page], j - page * page_size.d);
   }
