@@ -161,13 +161,13 @@ def test_tiles_per_arch_and_shared_memory():
     assert wg.wgmma and wg.rows_per_cta("prefill") == 128 and wg.kv_tile == 192
     assert wg.smem_bytes("prefill", 128) == \
         (128 + wg.stages * 2 * 192) * 128 * 2 + 1024 + 32 * wg.stages
-    assert render.tiles_for("prefill", 128, arch="sm_90a", mods=True).kv_tile == 128
+    assert render.tiles_for("prefill", 128, arch="sm_90a", narrow=True).kv_tile == 128
     wg256 = render.tiles_for("prefill", 256, arch="sm_90a")  # 64-key tiles, two slots each
     assert wg256.wgmma and wg256.kv_tile == 64
     for d in (64, 128, 256):  # within what a CTA may have on the H100 / H200
-        for mods in (False, True):
-            t = render.tiles_for("prefill", d, arch="sm_90a", mods=mods)
-            assert t.smem_bytes("prefill", d) <= 227 * 1024, (d, mods)
+        for narrow in (False, True):
+            t = render.tiles_for("prefill", d, arch="sm_90a", narrow=narrow)
+            assert t.smem_bytes("prefill", d) <= 227 * 1024, (d, narrow)
     for kind, d, kw in (("decode", 128, {}), ("prefill", 128, {"kv_fp8": True}),
                         ("prefill", 128, {"rope": True})):
         assert not render.tiles_for(kind, d, arch="sm_90a", **kw).wgmma, (kind, d, kw)
@@ -181,25 +181,26 @@ def test_tiles_per_arch_and_shared_memory():
         16 * 136 * 2 + 2 * 64 * 136 * 2 + dec.stages * 2 * 64 * 128
 
 
-def test_wide_kv_tiles_only_for_variants_without_mods():
-    """192-key tiles for variants without per-score code; 128 for score_mod, mask_mod, custom
-    and multi-item masks and sigmoid (whose code needs the registers, render.tiles_for)."""
+def test_wide_kv_tiles_only_for_plain_causal_and_full_variants():
+    """192-key tiles for causal / full variants; 128 for score_mod, mask_mod, custom and
+    multi-item masks and sigmoid (whose code needs the registers) and sliding windows
+    (render.tiles_for)."""
     tiles = lambda v: render.tiles_for_variant(v, "prefill", 128, arch="sm_90a").kv_tile  # noqa
     assert tiles(ja.Variant("c", mask="causal")) == tiles(ja.Variant("n", mask="none")) == 192
-    assert tiles(ja.Variant("w", mask="causal", window_left=100)) == 192
+    assert tiles(ja.Variant("w", mask="causal", window_left=100)) == 128
     for name in ("softcap", "alibi", "sigmoid", "document_mask"):
         assert tiles(_example(name)) == 128, name
     assert tiles(ja.Variant("m", mask="custom")) == 128
 
 
 @needs_nvcc
-@pytest.mark.parametrize("mask, window, dtype_tag, head_dim", [("causal", 1024, "bf16", 128),
-                                                               ("none", None, "f16", 128),
-                                                               ("causal", None, "f16", 64)])
-def test_wide_kv_tile_kernels_do_not_spill(mask, window, dtype_tag, head_dim):
-    """The 192-key wgmma kernels (the tightest: sliding window, shared-prefix build) fit in
-    255 registers: ptxas reports no spill stores."""
-    v = ja.Variant("wide", mask=mask, window_left=window)
+@pytest.mark.parametrize("mask, dtype_tag, head_dim", [("causal", "bf16", 128),
+                                                      ("none", "f16", 128),
+                                                      ("causal", "f16", 64)])
+def test_wide_kv_tile_kernels_do_not_spill(mask, dtype_tag, head_dim):
+    """The 192-key wgmma kernels (the tightest: the shared-prefix build, 255 registers at
+    head_dim 128) fit in the registers: ptxas reports no spill stores."""
+    v = ja.Variant("wide", mask=mask)
     for shared_kv in (False, True):
         src = render.render_cuda(v, kind="prefill", dtype_tag=dtype_tag, head_dim=head_dim,
                                  arch="sm_90a", shared_kv=shared_kv)
