@@ -61,21 +61,29 @@ class Tiles:
 
 
 def tiles_for(kind: str, head_dim: int, *, arch: str | None = None, kv_fp8: bool = False,
-              rope: bool = False) -> Tiles:
+              rope: bool = False, narrow: bool = False) -> Tiles:
     """Tile configuration per kind and head_dim. Prefill: 4 warps x 32 rows over K/V tiles of
     64 keys (each K/V fragment feeds two mma row blocks); at head_dim 256, where a 16-row block
     already holds 128 accumulators of O per lane, 8 warps x 16 rows over 32 keys. Decode: 16 rows
     (GQA groups up to 16 in one tile), 4 warps taking 16 keys each of 64-key tiles, three tiles
     in flight (two at head_dim 256, whose three would need 211 KB of shared memory, more than
     an A100 has). On Hopper (arch "sm_90a"), prefill over a 16-bit cache without RoPE runs on
-    wgmma: 2 warpgroups x 64 rows over 128-key tiles, three slots each for K and V; at head_dim
-    256 over 64-key tiles with two slots each (O already holds 128 floats per thread). Measured
-    on the H200 (docs/performance.md)."""
+    wgmma: 2 warpgroups x 64 rows over 192-key tiles (a tile's fixed costs, its barriers,
+    waits and row reductions, spread over 1.5x the keys; two slots each for K and V at head_dim
+    128, where three would exceed the 227 KB of shared memory a CTA may have, three at 64), or
+    over 128-key tiles with three slots each for ``narrow`` variants: a score_mod, mask_mod,
+    custom or multi-item mask or the sigmoid reduction (their per-score code needs the
+    registers that 64 more keys take, and ptxas spills), or a sliding window (more of its
+    tiles are partly masked: 2.5% slower at window 1024 on 192); at head_dim 256 over 64-key
+    tiles with two slots each (O already holds 128 floats per thread). Measured on the H200
+    (docs/performance.md, session 11)."""
     if kind == "prefill" and arch == "sm_90a" and head_dim in (64, 128, 256) and not kv_fp8 \
             and not rope:
         if head_dim == 256:  # O holds 128 floats per thread: 64-key tiles keep S at 32
             return Tiles(8, 16, 64, stages=2, wgmma=True)
-        return Tiles(8, 16, 128, stages=3, wgmma=True)
+        if narrow:
+            return Tiles(8, 16, 128, stages=3, wgmma=True)
+        return Tiles(8, 16, 192, stages=3 if head_dim == 64 else 2, wgmma=True)
     if kind == "prefill":
         return Tiles(8, 16, 32) if head_dim == 256 else Tiles(4, 32, 64)
     return Tiles(4, 16, 64, stages=3 if head_dim <= 128 else 2)
@@ -104,8 +112,11 @@ def tiles_for_variant(variant: Variant, kind: str, head_dim: int, *, arch: str |
                       kv_tag: str | None = None) -> Tiles:
     """The tiles jitattn builds ``variant``'s CUDA kernel with on ``arch`` (tiles_for with the
     variant's RoPE and the KV cache's dtype tag)."""
+    narrow = variant.score_mod is not None or variant.mask_mod is not None or \
+        variant.mask in ("custom", "multi_item") or variant.reduction != "softmax" or \
+        variant.window_left not in (None, -1)
     return tiles_for(kind, head_dim, arch=arch, kv_fp8=kv_tag == "e4m3",
-                     rope=variant.pos_encoding is not None)
+                     rope=variant.pos_encoding is not None, narrow=narrow)
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,16 @@
 sm_90a (compile only) for a representative set."""
 
 import dataclasses
+import os
+import re
 import shutil
+import subprocess
+import tempfile
 
 import pytest
 
 import jitattn as ja
-from jitattn import catalog, jit, render
+from jitattn import build, catalog, jit, render
 from jitattn.build import CompileError
 
 BUILTIN = catalog.builtin()
@@ -154,11 +158,16 @@ def test_tiles_per_arch_and_shared_memory():
     shared memory follows each layout (swizzled panels + 1024 alignment bytes; fp8 decode
     stages padded by 16 bytes, no 16-bit tile)."""
     wg = render.tiles_for("prefill", 128, arch="sm_90a")
-    assert wg.wgmma and wg.rows_per_cta("prefill") == 128
+    assert wg.wgmma and wg.rows_per_cta("prefill") == 128 and wg.kv_tile == 192
     assert wg.smem_bytes("prefill", 128) == \
-        (128 + wg.stages * 2 * 128) * 128 * 2 + 1024 + 32 * wg.stages
+        (128 + wg.stages * 2 * 192) * 128 * 2 + 1024 + 32 * wg.stages
+    assert render.tiles_for("prefill", 128, arch="sm_90a", narrow=True).kv_tile == 128
     wg256 = render.tiles_for("prefill", 256, arch="sm_90a")  # 64-key tiles, two slots each
-    assert wg256.wgmma and wg256.kv_tile == 64 and wg256.smem_bytes("prefill", 256) <= 227 * 1024
+    assert wg256.wgmma and wg256.kv_tile == 64
+    for d in (64, 128, 256):  # within what a CTA may have on the H100 / H200
+        for narrow in (False, True):
+            t = render.tiles_for("prefill", d, arch="sm_90a", narrow=narrow)
+            assert t.smem_bytes("prefill", d) <= 227 * 1024, (d, narrow)
     for kind, d, kw in (("decode", 128, {}), ("prefill", 128, {"kv_fp8": True}),
                         ("prefill", 128, {"rope": True})):
         assert not render.tiles_for(kind, d, arch="sm_90a", **kw).wgmma, (kind, d, kw)
@@ -170,6 +179,43 @@ def test_tiles_per_arch_and_shared_memory():
         16 * 136 * 2 + dec.stages * 2 * 64 * (128 + 16)
     assert dec.smem_bytes("decode", 128, kv_fp8=True, rope=True) == \
         16 * 136 * 2 + 2 * 64 * 136 * 2 + dec.stages * 2 * 64 * 128
+
+
+def test_wide_kv_tiles_only_for_plain_causal_and_full_variants():
+    """192-key tiles for causal / full variants; 128 for score_mod, mask_mod, custom and
+    multi-item masks and sigmoid (whose code needs the registers) and sliding windows
+    (render.tiles_for)."""
+    tiles = lambda v: render.tiles_for_variant(v, "prefill", 128, arch="sm_90a").kv_tile  # noqa
+    assert tiles(ja.Variant("c", mask="causal")) == tiles(ja.Variant("n", mask="none")) == 192
+    assert tiles(ja.Variant("w", mask="causal", window_left=100)) == 128
+    for name in ("softcap", "alibi", "sigmoid", "document_mask"):
+        assert tiles(_example(name)) == 128, name
+    assert tiles(ja.Variant("m", mask="custom")) == 128
+
+
+@needs_nvcc
+@pytest.mark.parametrize("mask, dtype_tag, head_dim", [("causal", "bf16", 128),
+                                                      ("none", "f16", 128),
+                                                      ("causal", "f16", 64)])
+def test_wide_kv_tile_kernels_do_not_spill(mask, dtype_tag, head_dim):
+    """The 192-key wgmma kernels (the tightest: the shared-prefix build, 255 registers at
+    head_dim 128) fit in the registers: ptxas reports no spill stores."""
+    v = ja.Variant("wide", mask=mask)
+    for shared_kv in (False, True):
+        src = render.render_cuda(v, kind="prefill", dtype_tag=dtype_tag, head_dim=head_dim,
+                                 arch="sm_90a", shared_kv=shared_kv)
+        assert src.tiles.kv_tile == 192
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.cu")
+            with open(path, "w") as f:
+                f.write(src.code)
+            cmd = [shutil.which("nvcc"), *build.flags("cuda", "sm_90a"), "-Xptxas", "-v",
+                   "-cubin", path, "-o", path + ".cubin",
+                   *(f"-I{d}" for d in src.include_dirs)]
+            log = subprocess.run(cmd, capture_output=True, text=True)
+        assert log.returncode == 0, log.stderr[-2000:]
+        spills = re.findall(r"(\d+) bytes spill stores", log.stderr)
+        assert spills and all(x == "0" for x in spills), (shared_kv, log.stderr[-1000:])
 
 
 def test_tma_kernels_take_the_maps_last():
