@@ -157,7 +157,6 @@ class BatchPrefill:
         mask = masks_mod.mask_arrays(self.variant.mask, masks or {}, qo_lens, kv_lens,
                                      self.capacity)
         kernel_kind = self._kernel_kind(max_qo, num_qo_heads // num_kv_heads, head_dim)
-        rows, num_ctas, kv_tile = self._launch_shape(kernel_kind, q_dtype, kv_dtype, head_dim)
         # the CUDA build that reads shared prefixes, for plans that have some (or when a CUDA
         # graph captured it: the graph replays that kernel)
         shared_kv = inputs.shared_lens is not None and bool((inputs.shared_lens > 0).any())
@@ -167,6 +166,8 @@ class BatchPrefill:
                              "use one wrapper per graph, or capture after a plan with shared "
                              "prefixes")
         shared_kv = shared_kv or bool(self._captured_shared_kv)
+        rows, num_ctas, kv_tile = self._launch_shape(kernel_kind, q_dtype, kv_dtype, head_dim,
+                                                     shared_kv)
         # ragged with shared prefixes: kv_start is where logical key 0 would be if the own run
         # held all keys (the kernels add the key index to it past the prefix)
         kv_starts = kv[:-1] if inputs.shared_lens is None else kv[:-1] - inputs.shared_lens
@@ -229,17 +230,18 @@ class BatchPrefill:
             return self._captured_kind
         return query_kind(max_qo_len, group, head_dim, self.query_tile)
 
-    def _launch_shape(self, kind, q_dtype, kv_dtype, head_dim) -> tuple[int, int, int]:
+    def _launch_shape(self, kind, q_dtype, kv_dtype, head_dim,
+                      shared_kv) -> tuple[int, int, int]:
         """(packed rows per work item, persistent CTAs, keys per K/V tile): the kernel's on the
-        GPU (its tiles depend on the device's arch); on the CPU, the CUDA tiles' over 2 chunks
-        per core."""
+        GPU (the build the plan runs: its tiles depend on the device's arch, its CTAs per SM on
+        its registers); on the CPU, the CUDA tiles' over 2 chunks per core."""
         if self.device.type == "cpu":
             tiles = tiles_for(kind, head_dim)
             return tiles.rows_per_cta(kind), 2 * (os.cpu_count() or 1), tiles.kv_tile
         kernel = jit.get_kernel(self.variant, backend="cuda", kind=kind,
                                 dtype_tag=dtypes.tag(q_dtype), head_dim=head_dim,
                                 device_index=self.device.index,
-                                kv_tag=dtypes.kv_tag(kv_dtype))
+                                kv_tag=dtypes.kv_tag(kv_dtype), shared_kv=shared_kv)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return kernel.rows_per_cta, sms * kernel.resident_ctas_per_sm(), kernel.kv_tile
 
