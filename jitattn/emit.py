@@ -40,7 +40,7 @@ _CTYPE = {"float": "float", "int": "long long", "bool": "bool"}
 # their results are discarded), so the symbols' ranges carry POSITION_MARGIN more: kv_idx in
 # [0, 2**30), q_idx (kv_len - q_len + the query's index) in (-MAX_SEQ_LEN, 2**30); b and h are
 # non-negative ints.
-POSITION_MARGIN = 1 << 10  # > the largest K/V tile and row tile (128)
+POSITION_MARGIN = 1 << 10  # > the largest K/V tile (192 keys) and row tile (128 rows)
 MAX_SEQ_LEN = (1 << 30) - POSITION_MARGIN
 _SYMBOL_RANGE = {"q_idx": (1 - MAX_SEQ_LEN, (1 << 30) - 1), "kv_idx": (0, (1 << 30) - 1),
                  "b": (0, (1 << 31) - 1), "h": (0, (1 << 31) - 1)}

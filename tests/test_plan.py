@@ -150,9 +150,10 @@ def test_workspace_item_capacity_and_tile_granularity():
     assert filled.num_items == 384  # the linear partition
     capped = make_plan([1] * 16, lens, [0] * 16, max_items=300, **kw)
     assert capped.num_items <= 300
-    wide = make_plan([1] * 16, lens, [0] * 16, kv_tile=128, **kw)
-    assert ((wide.items[:, 3] % 128 == 0) | (wide.items[:, 3] == 0)).all()
-    assert (wide.items[:, 4] % 128 == 0).all()
+    for kv_tile in (128, 192):  # the wgmma kernels' (192: not a power of two)
+        wide = make_plan([1] * 16, lens, [0] * 16, kv_tile=kv_tile, **kw)
+        assert (wide.items[:, 3] % kv_tile == 0).all()
+        assert ((wide.items[:, 4] % kv_tile == 0) | (wide.items[:, 4] == 32768)).all()
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")

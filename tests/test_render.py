@@ -188,9 +188,13 @@ def test_wide_kv_tiles_only_for_plain_causal_and_full_variants():
     tiles = lambda v: render.tiles_for_variant(v, "prefill", 128, arch="sm_90a").kv_tile  # noqa
     assert tiles(ja.Variant("c", mask="causal")) == tiles(ja.Variant("n", mask="none")) == 192
     assert tiles(ja.Variant("w", mask="causal", window_left=100)) == 128
-    for name in ("softcap", "alibi", "sigmoid", "document_mask"):
+    assert tiles(ja.Variant("w0", mask="causal", window_left=0)) == 128
+    assert tiles(ja.Variant("w1", mask="causal", window_left=-1)) == 192  # no window
+    for name in ("softcap", "alibi", "sigmoid", "document_mask", "sliding_window",
+                 "prefix_lm", "relative_position_bias"):
         assert tiles(_example(name)) == 128, name
-    assert tiles(ja.Variant("m", mask="custom")) == 128
+    assert tiles(ja.Variant("m", mask="custom")) == tiles(ja.Variant("i", mask="multi_item")) \
+        == tiles(ja.Variant("s", mask="none", score_mod=lambda s, b, h, q, k: s)) == 128
 
 
 @needs_nvcc
