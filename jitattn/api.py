@@ -62,7 +62,7 @@ def _check_qkv(q, k, v) -> None:
                              f"aligned pointer (call .contiguous())")
 
 
-def _host_indptr(name: str, indptr, total: int) -> list[int]:
+def _host_indptr(name: str, indptr, total: int, rows_of: str) -> list[int]:
     if not isinstance(indptr, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got "
                         f"{type(indptr).__name__}")
@@ -78,7 +78,8 @@ def _host_indptr(name: str, indptr, total: int) -> list[int]:
         raise ValueError(f"{name} must be non-decreasing; {name}[{bad}] = {host[bad]} > "
                          f"{name}[{bad + 1}] = {host[bad + 1]}")
     if host[-1] != total:
-        raise ValueError(f"{name}[-1] is {host[-1]} but the tensor it indexes has {total} rows")
+        raise ValueError(f"{name}[-1] is {host[-1]} but {rows_of} has {total} rows (dim 0); "
+                         f"expected {name}[-1] == {total}")
     return host
 
 
@@ -133,8 +134,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     if qo_indptr is None:
         qo_host, kv_host = [0, total_q], [0, k.shape[0]]
     else:
-        qo_host = _host_indptr("qo_indptr", qo_indptr, total_q)
-        kv_host = _host_indptr("kv_indptr", kv_indptr, k.shape[0])
+        qo_host = _host_indptr("qo_indptr", qo_indptr, total_q, "q")
+        kv_host = _host_indptr("kv_indptr", kv_indptr, k.shape[0], "k")
         if len(qo_host) != len(kv_host):
             raise ValueError(f"qo_indptr has {len(qo_host)} entries but kv_indptr has "
                              f"{len(kv_host)}; both must be [batch_size + 1]")

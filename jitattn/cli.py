@@ -75,10 +75,12 @@ def _compile(args) -> int:
                 continue
             for kind in args.kind:
                 for dtype_tag in args.dtype:
-                    src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag,
-                                             head_dim=head_dim, arch=args.arch)
-                    path, built = jit.compile_cached(src, args.arch)
-                    print(f"  {'built' if built else 'cached'} {path}")
+                    for shared_kv in (False, True) if args.shared_kv else (False,):
+                        src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag,
+                                                 head_dim=head_dim, arch=args.arch,
+                                                 shared_kv=shared_kv)
+                        path, built = jit.compile_cached(src, args.arch)
+                        print(f"  {'built' if built else 'cached'} {path}")
     return 0
 
 
@@ -121,6 +123,10 @@ def main(argv=None) -> int:
     b.add_argument("--kind", nargs="+", default=list(render.KINDS), choices=render.KINDS)
     b.add_argument("--arch", default="sm_90a", help="CUDA target, e.g. sm_90a, sm_80")
     b.add_argument("--cpu", action="store_true", help="build the CPU backend instead")
+    b.add_argument("--shared-kv", action="store_true",
+                   help="also build the CUDA kernels that read ragged shared prefixes "
+                   "(BatchPrefill plans with shared_prefix_len; SharedPrefixPrefill's ragged "
+                   "and split)")
     b.set_defaults(fn=_compile)
     r = sub.add_parser("bench", help="time jitattn beside SDPA and FlexAttention (GPU)")
     r.add_argument("kind", choices=["decode", "prefill", "shared-prefix", "cascade"])

@@ -12,3 +12,23 @@ def test_shared_prefix_grid_and_cascade_smoke(tmp_path):
     text = bench_shared.report_grid(rows, str(tmp_path / "g.json"), str(tmp_path / "g.png"))
     assert "| P16 S2 M2 | naive |" in text and "cascade" in text
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ab_prefill_harness_smoke(tmp_path):
+    """benchmarks/ab_prefill.py builds two trees (a git revision and the working tree), runs
+    them in alternating processes and prints one row per case (CPU backend, tiny shapes)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "ab.json"
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_prefill.py"), "HEAD",
+                          "--device", "cpu", "--rounds", "2", "--cases",
+                          "causal_4k,ragged_p8196", "--json", str(out)],
+                         capture_output=True, text=True, cwd=root, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "| causal_4k | TFLOP/s |" in res.stdout and "| ragged_p8196 | ms |" in res.stdout
+    rounds = json.loads(out.read_text())["rounds"]
+    assert len(rounds["A"]) == len(rounds["B"]) == 2
+    assert all(r["causal_4k"][0] > 0 and r["ragged_p8196"][0] > 0 for r in rounds["A"])

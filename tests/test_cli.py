@@ -31,6 +31,11 @@ def test_compile_cuda(capsys):
     assert cli.main(["compile", variant_file, "--head-dim", "64", "--dtype", "bf16",
                      "--kind", "decode"]) == 0
     assert "kernel.cubin" in capsys.readouterr().out
+    assert cli.main(["compile", variant_file, "--head-dim", "64", "--dtype", "bf16",
+                     "--kind", "decode", "--shared-kv"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if "kernel.cubin" in x]
+    assert len(lines) == 2 and "shared_kv" in lines[1] and "shared_kv" not in lines[0]
+    assert lines[0].lstrip().startswith("cached")  # the plain build from the first command
 
 
 def test_compile_missing_file(capsys):

@@ -58,7 +58,8 @@ def test_variant_must_be_a_variant():
     ([0, 4, 10], [0, 12], "entries"),
     ([1, 4, 10], [0, 6, 12], r"qo_indptr\[0\] is 1"),
     ([0, 6, 4, 10], [0, 2, 6, 12], "non-decreasing"),
-    ([0, 4, 9], [0, 6, 12], r"qo_indptr\[-1\] is 9"),
+    ([0, 4, 9], [0, 6, 12], r"qo_indptr\[-1\] is 9 but q has 10 rows"),
+    ([0, 4, 10], [0, 6, 25], r"kv_indptr\[-1\] is 25 but k has 12 rows .*== 12"),
 ])
 def test_bad_indptr(qo, kv, match):
     q, k, v = qkv()
