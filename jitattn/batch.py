@@ -25,6 +25,7 @@ from . import masks as masks_mod
 from .batch_inputs import check_batch
 from .plan import Plan, make_plan
 from .render import QUERY_TILES, query_kind, tiles_for
+from .run_inputs import RunInputs, split_cache
 from .spec import Variant
 from .workspace import Workspace
 
@@ -99,6 +100,7 @@ class BatchPrefill:
         self._plan: Plan | None = None
         self._ws: Workspace | None = None
         self._planned: dict = {}
+        self._run_inputs: RunInputs | None = None  # what run() accepts after the last plan()
 
     # -- plan -------------------------------------------------------------------------------------
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads: int,
@@ -157,7 +159,6 @@ class BatchPrefill:
         mask = masks_mod.mask_arrays(self.variant.mask, masks or {}, qo_lens, kv_lens,
                                      self.capacity)
         kernel_kind = self._kernel_kind(max_qo, num_qo_heads // num_kv_heads, head_dim)
-        rows, num_ctas, kv_tile = self._launch_shape(kernel_kind, q_dtype, kv_dtype, head_dim)
         # the CUDA build that reads shared prefixes, for plans that have some (or when a CUDA
         # graph captured it: the graph replays that kernel)
         shared_kv = inputs.shared_lens is not None and bool((inputs.shared_lens > 0).any())
@@ -167,6 +168,8 @@ class BatchPrefill:
                              "use one wrapper per graph, or capture after a plan with shared "
                              "prefixes")
         shared_kv = shared_kv or bool(self._captured_shared_kv)
+        rows, num_ctas, kv_tile = self._launch_shape(kernel_kind, q_dtype, kv_dtype, head_dim,
+                                                     shared_kv)
         # ragged with shared prefixes: kv_start is where logical key 0 would be if the own run
         # held all keys (the kernels add the key index to it past the prefix)
         kv_starts = kv[:-1] if inputs.shared_lens is None else kv[:-1] - inputs.shared_lens
@@ -197,19 +200,15 @@ class BatchPrefill:
         self._ws.upload_mask(mask)
         self._plan = plan
         self._device_plan = self._ws.device_plan(plan)
-        ps = self.page_size
-        page = {"NHD": (ps, num_kv_heads, head_dim), "HND": (num_kv_heads, ps, head_dim),
-                "ragged": (num_kv_heads, head_dim)}[self.kv_layout]
-        self._expected = ((int(qo[-1]), num_qo_heads, head_dim), q_dtype, kv_dtype, page,
-                          self.device.index if self.device.type == "cuda" else -1,
-                          inputs.max_page)
-        self._fine_strides = {}  # K/V strides -> whether they suit the kernels (for kv_dtype)
+        self._run_inputs = RunInputs(
+            total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=self.page_size,
+            kv_layout=self.kv_layout, device=self.device, max_page=inputs.max_page,
+            shared_prefixes=inputs.shared_lens is not None)
         self._planned = dict(
             total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, batch=batch, kind=kernel_kind,
-            max_page=inputs.max_page, shared_kv=shared_kv,
-            shared_prefixes=inputs.shared_lens is not None,
-            sm_scale=launch.resolve_sm_scale(sm_scale, head_dim),
+            head_dim=head_dim, batch=batch, kind=kernel_kind,
+            shared_kv=shared_kv, sm_scale=launch.resolve_sm_scale(sm_scale, head_dim),
             sizes=dict(batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                        qo_len=max_qo, kv_len=max_kv))
         return plan
@@ -229,103 +228,22 @@ class BatchPrefill:
             return self._captured_kind
         return query_kind(max_qo_len, group, head_dim, self.query_tile)
 
-    def _launch_shape(self, kind, q_dtype, kv_dtype, head_dim) -> tuple[int, int, int]:
+    def _launch_shape(self, kind, q_dtype, kv_dtype, head_dim,
+                      shared_kv) -> tuple[int, int, int]:
         """(packed rows per work item, persistent CTAs, keys per K/V tile): the kernel's on the
-        GPU (its tiles depend on the device's arch); on the CPU, the CUDA tiles' over 2 chunks
-        per core."""
+        GPU (the build the plan runs: its tiles depend on the device's arch, its CTAs per SM on
+        its registers); on the CPU, the CUDA tiles' over 2 chunks per core."""
         if self.device.type == "cpu":
             tiles = tiles_for(kind, head_dim)
             return tiles.rows_per_cta(kind), 2 * (os.cpu_count() or 1), tiles.kv_tile
         kernel = jit.get_kernel(self.variant, backend="cuda", kind=kind,
                                 dtype_tag=dtypes.tag(q_dtype), head_dim=head_dim,
                                 device_index=self.device.index,
-                                kv_tag=dtypes.kv_tag(kv_dtype))
+                                kv_tag=dtypes.kv_tag(kv_dtype), shared_kv=shared_kv)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return kernel.rows_per_cta, sms * kernel.resident_ctas_per_sm(), kernel.kv_tile
 
     # -- run --------------------------------------------------------------------------------------
-    def _split_cache(self, kv_cache):
-        if isinstance(kv_cache, torch.Tensor) and self.kv_layout != "ragged":
-            if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-                raise ValueError(f"kv_cache as one tensor must be [num_pages, 2, ...] (5-D), got "
-                                 f"{tuple(kv_cache.shape)}")
-            return kv_cache[:, 0], kv_cache[:, 1]
-        if not (isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2):
-            raise TypeError("kv_cache must be (k_cache, v_cache)" + (
-                "" if self.kv_layout == "ragged" else " or one [num_pages, 2, ...] tensor"))
-        return kv_cache
-
-    def _inputs_hold(self, q, k_cache, v_cache) -> bool:
-        """_check_run's conditions, tested the fast way for the usual call (host time per
-        layer); False sends the call through _check_run, which names what is wrong."""
-        if self._plan is None:
-            return False
-        want_q, dtype, kv_dtype, page, device, max_page = self._expected
-        cuda = device >= 0  # (get_device() is -1 for CPU and for meta tensors alike)
-        if not (isinstance(q, torch.Tensor) and q.shape == want_q and q.dtype == dtype and
-                (q.is_cuda if cuda else q.is_cpu) and q.get_device() == device and
-                q.data_ptr() % 16 == 0):
-            return False
-        s0, s1, s2 = q.stride()
-        if s2 != 1 or s0 % 8 or s1 % 8:
-            return False
-        for c in (k_cache, v_cache):
-            if not (isinstance(c, torch.Tensor) and c.shape[1:] == page and  # (and its dim)
-                    c.dtype == kv_dtype and (c.is_cuda if cuda else c.is_cpu) and
-                    c.get_device() == device and c.data_ptr() % 16 == 0 and
-                    max_page < c.shape[0]):
-                return False
-            strides = c.stride()
-            fine = self._fine_strides.get(strides)
-            if fine is None:
-                size = c.element_size()
-                fine = self._fine_strides[strides] = strides[-1] == 1 and not any(
-                    s * size % 16 for s in strides[:-1])
-            if not fine:
-                return False
-        return True
-
-    def _check_run(self, q, k_cache, v_cache) -> None:
-        if self._plan is None:
-            raise RuntimeError(f"{type(self).__name__}.run() called before plan()")
-        pl = self._planned
-        want_q = (pl["total_q"], pl["num_qo_heads"], pl["head_dim"])
-        if not isinstance(q, torch.Tensor) or tuple(q.shape) != want_q:
-            raise ValueError(f"q has shape {tuple(getattr(q, 'shape', ()))}; the plan expects "
-                             f"{want_q}")
-        if q.dtype != pl["dtype"]:
-            raise TypeError(f"q has dtype {q.dtype}; the plan was made for {pl['dtype']} "
-                            f"(plan(..., q_dtype=) sets it)")
-        hkv, d, ps = pl["num_kv_heads"], pl["head_dim"], self.page_size
-        page = {"NHD": (ps, hkv, d), "HND": (hkv, ps, d), "ragged": (hkv, d)}[self.kv_layout]
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not isinstance(c, torch.Tensor) or c.dim() != len(page) + 1 or \
-                    tuple(c.shape[1:]) != page:
-                what = "total_kv" if self.kv_layout == "ragged" else "num_pages"
-                raise ValueError(f"{name} has shape {tuple(getattr(c, 'shape', ()))}; expected "
-                                 f"[{what}, {', '.join(map(str, page))}] ({self.kv_layout})")
-            if c.dtype != pl["kv_dtype"]:
-                raise TypeError(f"{name} has dtype {c.dtype}; the plan was made for "
-                                f"kv_dtype={pl['kv_dtype']}")
-            if c.device != q.device or q.device != self.device:
-                raise ValueError(f"q and {name} are on {q.device} / {c.device}; the wrapper "
-                                 f"was built for {self.device}")
-            if c.stride(-1) != 1 or any(s * c.element_size() % 16 for s in c.stride()[:-1]) \
-                    or c.data_ptr() % 16:
-                raise ValueError(f"{name} has strides {c.stride()}; expected the last dim "
-                                 f"contiguous, other strides multiples of 16 bytes, 16-byte "
-                                 f"aligned")
-            if pl["max_page"] >= c.shape[0]:
-                unit = "token" if self.kv_layout == "ragged" else "page"
-                where = " (kv_indptr[-1] - 1, or the last row of a shared prefix: " \
-                    "shared_prefix_start + shared_prefix_len - 1)" if pl["shared_prefixes"] else ""
-                raise ValueError(f"the plan refers to {unit} {pl['max_page']}{where} but {name} "
-                                 f"has {c.shape[0]} {unit}s (dim 0)")
-        s0, s1, s2 = q.stride()
-        if s2 != 1 or s0 % 8 or s1 % 8 or q.data_ptr() % 16:
-            raise ValueError(f"q has strides {q.stride()}; expected the last dim contiguous, "
-                             f"other strides multiples of 8, 16-byte aligned")
-
     def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
             k_scale: float = 1.0, v_scale: float = 1.0, **params):
@@ -359,9 +277,12 @@ class BatchPrefill:
             if not launch.positive_f32(scale):
                 raise ValueError(f"k_scale={k_scale!r}: sm_scale x k_scale = {scale!r} must be "
                                  f"finite and > 0 as float32")
-        k_cache, v_cache = self._split_cache(kv_cache)
-        if not self._inputs_hold(q, k_cache, v_cache):
-            self._check_run(q, k_cache, v_cache)
+        k_cache, v_cache = split_cache(kv_cache, self.kv_layout)
+        checks = self._run_inputs
+        if checks is None:
+            raise RuntimeError(f"{type(self).__name__}.run() called before plan()")
+        if not checks.hold(q, k_cache, v_cache):
+            checks.check(q, k_cache, v_cache)
         pl, plan, ws = self._planned, self._plan, self._ws
         bound = self.variant.bind(params, device=q.device, sizes=pl["sizes"])
         shape = (pl["total_q"], pl["num_qo_heads"], pl["head_dim"])

@@ -254,7 +254,8 @@ def test_tma_copy_equals_the_cp_async_copy(dtype, head_dim, monkeypatch):
         return buf[:t.shape[0]]
 
     k, v = poisoned(k), poisoned(v)
-    assert launch.tma_values(launch.KVView.ragged(k, v), 128)[0] == 1
+    for box_rows in (128, 192):  # the K/V tiles of the two variants below
+        assert launch.tma_values(launch.KVView.ragged(k, v), box_rows)[0] == 1
     for variant in (ja.Variant("causal", mask="causal"),
                     ja.Variant("softcap", score_mod=ja.soft_cap(30.0))):
         check(variant, {}, q, k, v, qo_indptr, kv_indptr)
@@ -342,9 +343,11 @@ def test_fp8_kv_with_rope_beside_the_16_bit_kernel():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 def test_ragged_shared_prefixes_match_reference_gpu(head_dim, dtype):
-    """Shared prefixes of 300 / 128 / 129 keys: whole tiles of the prefix and of the own run
-    (TMA at head_dim 64 / 128), tiles across the prefix's end (per-row copies), requests
-    without a prefix, empty and one-token requests; the prefill tiles, then the 16-row tiles
+    """Shared prefixes of 300 / 128 / 129 / 192 / 384 keys: whole tiles of the prefix and of
+    the own run (TMA at head_dim 64 / 128), tiles across the prefix's end (per-row copies),
+    prefixes that end on a tile's end (128-key tiles of the window and ALiBi kernels, 192-key
+    tiles of the causal one), requests without a prefix, empty and one-token requests; the
+    prefill tiles, then the 16-row tiles
     (queries of at most 4 packed rows x GQA 4); causal, a sliding window of 100 (ranges that
     start inside the prefix), and ALiBi with fused RoPE (key positions count from the
     prefix)."""
@@ -353,14 +356,15 @@ def test_ragged_shared_prefixes_match_reference_gpu(head_dim, dtype):
                             score_mod=lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi),
                             pos_encoding=ja.RoPE(theta=1e4))
     long_queries = [(0, 200, 257), (1, 1, 1), (2, 64, 0), (None, 130, 140), (0, 0, 5),
-                    (1, 500, 3)]
-    short_queries = [(0, 1, 257), (1, 1, 1), (2, 1, 0), (None, 1, 140), (0, 0, 5)]
+                    (1, 500, 3), (3, 100, 50), (4, 70, 0), (4, 200, 192)]
+    short_queries = [(0, 1, 257), (1, 1, 1), (2, 1, 0), (None, 1, 140), (0, 0, 5), (3, 1, 50),
+                     (4, 1, 0)]
     for variant, params in ((ja.Variant("causal", mask="causal"), {}),
                             (ja.Variant("window", mask="causal", window_left=100), {}),
                             (alibi_rope, {"slopes": ja.alibi_slopes(16).cuda()})):
         for requests in (long_queries, short_queries):
             check_shared_prefix_batch(variant, params, "cuda", dtype, 16, 4, head_dim, requests,
-                                      prefix_lens=[300, 128, 129], seed=head_dim)
+                                      prefix_lens=[300, 128, 129, 192, 384], seed=head_dim)
 
 
 def test_cuda_graph_keeps_the_shared_prefix_build():

@@ -1,0 +1,108 @@
+"""The tensors of BatchPrefill.run / BatchDecode.run, checked against their plan: q and the
+K/V cache's shapes, dtypes, device, strides and alignment, and that the cache holds every page
+(or ragged row) the plan refers to. Every error names the argument, its value and what was
+expected. The usual call takes RunInputs.hold, a fast test of the same conditions (host time
+per layer); only when it fails does RunInputs.check find and name what is wrong."""
+
+from __future__ import annotations
+
+import torch
+
+
+def split_cache(kv_cache, kv_layout: str):
+    """(k_cache, v_cache) from run()'s kv_cache: the pair, or for a paged layout one
+    [num_pages, 2, ...] tensor. Raises TypeError / ValueError naming kv_cache."""
+    if isinstance(kv_cache, torch.Tensor) and kv_layout != "ragged":
+        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+            raise ValueError(f"kv_cache as one tensor must be [num_pages, 2, ...] (5-D), got "
+                             f"{tuple(kv_cache.shape)}")
+        return kv_cache[:, 0], kv_cache[:, 1]
+    if not (isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2):
+        raise TypeError("kv_cache must be (k_cache, v_cache)" + (
+            "" if kv_layout == "ragged" else " or one [num_pages, 2, ...] tensor"))
+    return kv_cache
+
+
+class RunInputs:
+    """What run() accepts after one plan(): q [total_q, num_qo_heads, head_dim] of q_dtype and
+    K/V caches whose pages (NHD [page_size, Hkv, D], HND [Hkv, page_size, D]) or ragged rows
+    ([Hkv, D]) are of kv_dtype, on ``device``, with more than max_page pages / rows (max_page:
+    the largest page id, or ragged row, the plan reads; shared_prefixes: the plan has ragged
+    shared prefixes, which the error then names)."""
+
+    def __init__(self, *, total_q: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                 q_dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, kv_layout: str,
+                 device: torch.device, max_page: int, shared_prefixes: bool):
+        self.q_shape = (total_q, num_qo_heads, head_dim)
+        self.q_dtype, self.kv_dtype, self.kv_layout = q_dtype, kv_dtype, kv_layout
+        self.page = {"NHD": (page_size, num_kv_heads, head_dim),
+                     "HND": (num_kv_heads, page_size, head_dim),
+                     "ragged": (num_kv_heads, head_dim)}[kv_layout]
+        self.device = device
+        self.device_index = device.index if device.type == "cuda" else -1
+        self.max_page, self.shared_prefixes = max_page, shared_prefixes
+        self._fine_strides: dict = {}  # K/V strides -> whether they suit the kernels
+
+    def hold(self, q, k_cache, v_cache) -> bool:
+        """check()'s conditions, tested the fast way for the usual call; False sends the call
+        through check(), which names what is wrong."""
+        cuda = self.device_index >= 0  # (get_device() is -1 for CPU and for meta tensors alike)
+        if not (isinstance(q, torch.Tensor) and q.shape == self.q_shape and
+                q.dtype == self.q_dtype and (q.is_cuda if cuda else q.is_cpu) and
+                q.get_device() == self.device_index and q.data_ptr() % 16 == 0):
+            return False
+        s0, s1, s2 = q.stride()
+        if s2 != 1 or s0 % 8 or s1 % 8:
+            return False
+        for c in (k_cache, v_cache):
+            if not (isinstance(c, torch.Tensor) and c.shape[1:] == self.page and  # (and dim)
+                    c.dtype == self.kv_dtype and (c.is_cuda if cuda else c.is_cpu) and
+                    c.get_device() == self.device_index and c.data_ptr() % 16 == 0 and
+                    self.max_page < c.shape[0]):
+                return False
+            strides = c.stride()
+            fine = self._fine_strides.get(strides)
+            if fine is None:
+                size = c.element_size()
+                fine = self._fine_strides[strides] = strides[-1] == 1 and not any(
+                    s * size % 16 for s in strides[:-1])
+            if not fine:
+                return False
+        return True
+
+    def check(self, q, k_cache, v_cache) -> None:
+        """Raises ValueError / TypeError naming the first argument that does not suit the plan."""
+        if not isinstance(q, torch.Tensor) or tuple(q.shape) != self.q_shape:
+            raise ValueError(f"q has shape {tuple(getattr(q, 'shape', ()))}; the plan expects "
+                             f"{self.q_shape}")
+        if q.dtype != self.q_dtype:
+            raise TypeError(f"q has dtype {q.dtype}; the plan was made for {self.q_dtype} "
+                            f"(plan(..., q_dtype=) sets it)")
+        page = self.page
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(c, torch.Tensor) or c.dim() != len(page) + 1 or \
+                    tuple(c.shape[1:]) != page:
+                what = "total_kv" if self.kv_layout == "ragged" else "num_pages"
+                raise ValueError(f"{name} has shape {tuple(getattr(c, 'shape', ()))}; expected "
+                                 f"[{what}, {', '.join(map(str, page))}] ({self.kv_layout})")
+            if c.dtype != self.kv_dtype:
+                raise TypeError(f"{name} has dtype {c.dtype}; the plan was made for "
+                                f"kv_dtype={self.kv_dtype}")
+            if c.device != q.device or q.device != self.device:
+                raise ValueError(f"q and {name} are on {q.device} / {c.device}; the wrapper "
+                                 f"was built for {self.device}")
+            if c.stride(-1) != 1 or any(s * c.element_size() % 16 for s in c.stride()[:-1]) \
+                    or c.data_ptr() % 16:
+                raise ValueError(f"{name} has strides {c.stride()}; expected the last dim "
+                                 f"contiguous, other strides multiples of 16 bytes, 16-byte "
+                                 f"aligned")
+            if self.max_page >= c.shape[0]:
+                unit = "token" if self.kv_layout == "ragged" else "page"
+                where = " (kv_indptr[-1] - 1, or the last row of a shared prefix: " \
+                    "shared_prefix_start + shared_prefix_len - 1)" if self.shared_prefixes else ""
+                raise ValueError(f"the plan refers to {unit} {self.max_page}{where} but {name} "
+                                 f"has {c.shape[0]} {unit}s (dim 0)")
+        s0, s1, s2 = q.stride()
+        if s2 != 1 or s0 % 8 or s1 % 8 or q.data_ptr() % 16:
+            raise ValueError(f"q has strides {q.stride()}; expected the last dim contiguous, "
+                             f"other strides multiples of 8, 16-byte aligned")
