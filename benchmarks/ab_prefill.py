@@ -112,8 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("base", help="git revision of side A")
     ap.add_argument("new", nargs="?", help="git revision of side B (default: the working tree)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cases", default=",".join([*CASES, SHARED_PREFIX]),
-                    help=f"comma-separated, from {', '.join([*CASES, SHARED_PREFIX])}")
+    ap.add_argument("--cases", default=",".join([*CASES, *SHARED_PREFIX]),
+                    help=f"comma-separated, from {', '.join([*CASES, *SHARED_PREFIX])}")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--json", help="write every round's numbers here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES and c not in SHARED_PREFIX]
     if unknown:
-        ap.error(f"--cases: unknown {unknown}; expected some of {[*CASES, SHARED_PREFIX]}")
+        ap.error(f"--cases: unknown {unknown}; expected some of {[*CASES, *SHARED_PREFIX]}")
     if args.child:
         child(args.child, cases, args.device, args.compile_only)
         return 0
