@@ -9,7 +9,7 @@ each side's best round (above 1: B is faster); ``--json`` keeps the numbers.
 
     python benchmarks/ab_prefill.py BASE_REV [NEW_REV] [--rounds 3] [--cases causal_16k,...]
 
-NEW_REV defaults to the working tree. ``--device cpu`` runs tiny shapes on the CPU backend (a
+NEW_REV defaults to the working tree; either side may also be a directory holding a copy. ``--device cpu`` runs tiny shapes on the CPU backend (a
 smoke test of the harness, not a timing).
 """
 
@@ -43,11 +43,13 @@ SHARED_PREFIX = {"ragged_p8196": "ragged", "naive_p8196": "naive"}
 
 
 def extract(rev: str | None, dst: Path) -> None:
-    """The library at git revision ``rev`` (None: the working tree) into ``dst``."""
+    """The library at git revision ``rev`` (None: the working tree; a directory: the copy
+    there, e.g. one made by ``git archive`` where the repository's history is not at hand)
+    into ``dst``."""
     dst.mkdir(parents=True)
-    if rev is None:
+    if rev is None or Path(rev).is_dir():
         for part in PARTS:
-            src = ROOT / part
+            src = (ROOT if rev is None else Path(rev)) / part
             if src.is_dir():
                 subprocess.run(["cp", "-r", str(src), str(dst / part)], check=True)
             else:
@@ -109,8 +111,9 @@ def child(tree: str, cases: list[str], device: str, compile_only: bool) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("base", help="git revision of side A")
-    ap.add_argument("new", nargs="?", help="git revision of side B (default: the working tree)")
+    ap.add_argument("base", help="git revision (or directory) of side A")
+    ap.add_argument("new", nargs="?",
+                    help="git revision or directory of side B (default: the working tree)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cases", default=",".join([*CASES, *SHARED_PREFIX]),
                     help=f"comma-separated, from {', '.join([*CASES, *SHARED_PREFIX])}")
