@@ -9,7 +9,7 @@ each side's best round (above 1: B is faster); ``--json`` keeps the numbers.
 
     python benchmarks/ab_prefill.py BASE_REV [NEW_REV] [--rounds 3] [--cases causal_16k,...]
 
-NEW_REV defaults to the working tree. ``--device cpu`` runs tiny shapes on the CPU backend (a
+NEW_REV defaults to the working tree; either side may also be a directory holding a copy. ``--device cpu`` runs tiny shapes on the CPU backend (a
 smoke test of the harness, not a timing).
 """
 
@@ -37,15 +37,19 @@ CASES = {
     "causal_d64": ("causal", None, False, 4, 4096, 64, "bfloat16"),
     "causal_d256": ("causal", None, False, 4, 4096, 256, "bfloat16"),
 }
-SHARED_PREFIX = "ragged_p8196"  # SharedPrefixPrefill ragged, P8196 S256 M32, GQA 16/8 (ms)
+# SharedPrefixPrefill's ragged and naive strategies at P8196 S256 M32, GQA 16/8 (ms): naive's
+# paged batch reads the prefix's pages in each of its 32 requests
+SHARED_PREFIX = {"ragged_p8196": "ragged", "naive_p8196": "naive"}
 
 
 def extract(rev: str | None, dst: Path) -> None:
-    """The library at git revision ``rev`` (None: the working tree) into ``dst``."""
+    """The library at git revision ``rev`` (None: the working tree; a directory: the copy
+    there, e.g. one made by ``git archive`` where the repository's history is not at hand)
+    into ``dst``."""
     dst.mkdir(parents=True)
-    if rev is None:
+    if rev is None or Path(rev).is_dir():
         for part in PARTS:
-            src = ROOT / part
+            src = (ROOT if rev is None else Path(rev)) / part
             if src.is_dir():
                 subprocess.run(["cp", "-r", str(src), str(dst / part)], check=True)
             else:
@@ -71,13 +75,13 @@ def child(tree: str, cases: list[str], device: str, compile_only: bool) -> None:
     tiny = compile_only or device == "cpu"
     out = {}
     for name in cases:
-        if name == SHARED_PREFIX:
+        if name in SHARED_PREFIX:
             from jitattn.bench_shared import CAPACITIES
             from jitattn.shared_prefix import SharedPrefixPrefill
             p, s, m = (40, 8, 3) if tiny else (8196, 256, 32)
             q, k, v = (torch.randn(p + s * m, h, 128, device=device, dtype=torch.float16)
                        for h in (16, 8, 8))
-            sp = SharedPrefixPrefill(ja.Variant("causal", mask="causal"), "ragged",
+            sp = SharedPrefixPrefill(ja.Variant("causal", mask="causal"), SHARED_PREFIX[name],
                                      device=device, **CAPACITIES)
             sp.plan(p, [s] * m, 16, 8, 128, q_dtype=torch.float16)
             fn, flop = (lambda: sp.run(q, k, v)), None
@@ -107,20 +111,21 @@ def child(tree: str, cases: list[str], device: str, compile_only: bool) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("base", help="git revision of side A")
-    ap.add_argument("new", nargs="?", help="git revision of side B (default: the working tree)")
+    ap.add_argument("base", help="git revision (or directory) of side A")
+    ap.add_argument("new", nargs="?",
+                    help="git revision or directory of side B (default: the working tree)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cases", default=",".join([*CASES, SHARED_PREFIX]),
-                    help=f"comma-separated, from {', '.join([*CASES, SHARED_PREFIX])}")
+    ap.add_argument("--cases", default=",".join([*CASES, *SHARED_PREFIX]),
+                    help=f"comma-separated, from {', '.join([*CASES, *SHARED_PREFIX])}")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--json", help="write every round's numbers here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cases = args.cases.split(",")
-    unknown = [c for c in cases if c not in CASES and c != SHARED_PREFIX]
+    unknown = [c for c in cases if c not in CASES and c not in SHARED_PREFIX]
     if unknown:
-        ap.error(f"--cases: unknown {unknown}; expected some of {[*CASES, SHARED_PREFIX]}")
+        ap.error(f"--cases: unknown {unknown}; expected some of {[*CASES, *SHARED_PREFIX]}")
     if args.child:
         child(args.child, cases, args.device, args.compile_only)
         return 0

@@ -6,12 +6,13 @@ r of request b is query r // g of kv head hk, head hk * g + r % g). The work is
 W = sum over tiles of the KV length each tile can see (causal and window ranges applied), the KV
 chunk cap is L = max(1, ceil(W / C)) with C resident CTAs (here ceil(W / kC), k in 1..8 chosen
 by the predicted makespan, which evens out waves), every tile's KV range is cut into
-chunks of at most L keys (rounded up to whole kv_tile-key tiles), chunks are sorted by length,
-longest first with stable ids for ties, and each goes to the least-loaded CTA with cost
-alpha * rows + beta * len. One more candidate, a linear partition (stream-K, Osama et al. 2023:
-the ranges laid end to end and cut into C runs of equal cost), is taken when it predicts a
-clearly shorter makespan: it balances batches of a few long ranges that equal chunks cannot
-(16 x 32768 keys on 264 CTAs). A plan that cuts tiles is kept only when it predicts a makespan
+chunks of at most L keys (rounded up to whole kv_tile-key tiles), chunks are sorted by length
+in whole kv_tile-key tiles (the kernel's work), longest first, ties by kv head and then id (so
+that the CTAs run one head's chunks at a time and read K/V they share from L2), and each goes to
+the least-loaded CTA with cost alpha * rows + beta * len. One more candidate, a linear partition
+(stream-K, Osama et al. 2023: the ranges laid end to end and cut into C runs of equal cost), is
+taken when it predicts a clearly shorter makespan: it balances batches of a few long ranges that
+equal chunks cannot (16 x 32768 keys on 264 CTAs). A plan that cuts tiles is kept only when it predicts a makespan
 shorter than the plan without cuts by more than MERGE_ITEMS items' fixed cost, since it also
 launches the merge kernel. A tile cut into several chunks writes partial states that a merge
 kernel combines in chunk order; nothing uses atomics, so the same plan gives bit-identical
@@ -264,31 +265,42 @@ def _split_keys(tiles: dict, chunks: dict) -> np.ndarray:
     return np.bincount(key, minlength=int(tiles["key"].max(initial=-1)) + 1)[key] > 1
 
 
-def _assign(costs: np.ndarray, num_ctas: int):
-    """Longest (costliest) chunk first onto the least-loaded CTA, ties by lowest chunk id and
-    lowest CTA id. Equal-cost chunks are placed a round at a time: every CTA whose load is
-    below the minimum plus that cost takes one, in (load, id) order, exactly as one by one.
-    Returns (cta of each chunk, processing order of each chunk, makespan)."""
-    order = np.lexsort((np.arange(len(costs)), -costs))
+def _assign(costs: np.ndarray, num_ctas: int, tiles: np.ndarray | None = None,
+            heads: np.ndarray | None = None):
+    """Longest chunk first onto the least-loaded CTA (ties: lowest CTA id). Longest: most
+    ``tiles`` (whole K/V tiles, the kernel's units of work), or the highest cost without them;
+    ties by lowest kv head (``heads``), then lowest chunk id. Among chunks of equal length the
+    CTAs then take one head's chunks before the next: CTAs that run at the same time read the
+    same head's K/V, which stays in L2 (a request's row tiles, requests sharing prefix pages),
+    rather than every head's at once. Chunks of one length are placed a round at a time:
+    every CTA whose load is below the minimum plus the group's smallest cost takes the next
+    one, in (load, id) order, exactly as one by one (each CTA's load then exceeds every load
+    still waiting in the round). Returns (cta of each chunk, processing order of each
+    chunk, makespan)."""
+    size = -(costs if tiles is None else tiles)
+    keys = (np.arange(len(costs)), size) if heads is None else \
+        (np.arange(len(costs)), heads, size)
+    order = np.lexsort(keys)
     loads = np.zeros(num_ctas)
     cta = np.empty(len(costs), dtype=np.int64)
-    bounds = np.flatnonzero(np.diff(costs[order])) + 1
-    for group in np.split(order, bounds):
+    for group in np.split(order, np.flatnonzero(np.diff(size[order])) + 1):
         if not len(group):
             continue
-        c, pos = costs[group[0]], 0
-        if c <= 0:  # free chunks leave the loads as they are: all go to the least-loaded CTA
+        c = costs[group]
+        if c.max() <= 0:  # free chunks leave the loads as they are: all go to the least-loaded
             cta[group] = int(np.argmin(loads))
             continue
-        if len(group) == 1:  # the least-loaded CTA, lowest id first
-            cta[group[0]] = best = int(np.argmin(loads))
-            loads[best] += c
+        if len(group) == 1 or c.min() <= 0:  # one by one: the least-loaded CTA, lowest id first
+            for i in group.tolist():
+                cta[i] = best = int(np.argmin(loads))
+                loads[best] += costs[i]
             continue
+        pos, c_min = 0, c.min()
         while pos < len(group):
-            ready = np.flatnonzero(loads < loads.min() + c)
+            ready = np.flatnonzero(loads < loads.min() + c_min)
             ready = ready[np.lexsort((ready, loads[ready]))][:len(group) - pos]
             cta[group[pos:pos + len(ready)]] = ready
-            loads[ready] += c
+            loads[ready] += c[pos:pos + len(ready)]
             pos += len(ready)
     rank = np.empty(len(costs), dtype=np.int64)
     rank[order] = np.arange(len(costs))
@@ -348,6 +360,9 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
     def cost(chunks):  # per chunk: alpha per row of the item plus beta per key
         return alpha * rows_per_cta + beta * (chunks["hi"] - chunks["lo"]).astype(np.float64)
 
+    def order_keys(chunks):  # per chunk: whole K/V tiles and kv head (_assign's order)
+        return _ceil_div(chunks["hi"] - chunks["lo"], kv_tile), tiles["hk"][chunks["tile"]]
+
     tiles = make_tiles(skip=True)
     # KV chunk cap: ceil(W / (k C)), with k (chunks per CTA on average) chosen by predicting
     # the makespan of each candidate; k = 1 is the paper's rule, larger k evens out the waves
@@ -373,7 +388,7 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
         if best is not None and max(costs.max(initial=0.0), costs.sum() / num_ctas) >= \
                 best[0] - 1e-9:
             continue  # its lower bound already loses to the best makespan
-        cta, rank, makespan = _assign(costs, num_ctas)
+        cta, rank, makespan = _assign(costs, num_ctas, *order_keys(chunks))
         if best is None or makespan < best[0] - 1e-9:
             best = (makespan, cap, chunks, split, costs, cta, rank)
     if split_kv and len(tiles["lo"]) and num_ctas > 1 and beta > 0:
@@ -389,7 +404,7 @@ def make_plan(qo_lens, kv_lens, kv_starts, *, num_qo_heads: int, num_kv_heads: i
         split = _split_keys(tiles, chunks)
         if not split.any() and fits(chunks, split):
             costs = cost(chunks)
-            cta, rank, makespan = _assign(costs, num_ctas)
+            cta, rank, makespan = _assign(costs, num_ctas, *order_keys(chunks))
             if makespan <= best[0] + MERGE_ITEMS * alpha * rows_per_cta:
                 best = (makespan, 1 << 30, chunks, split, costs, cta, rank)
     _, cap, chunks, split, costs, cta, rank = best

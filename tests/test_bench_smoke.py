@@ -25,10 +25,11 @@ def test_ab_prefill_harness_smoke(tmp_path):
     out = tmp_path / "ab.json"
     res = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_prefill.py"), "HEAD",
                           "--device", "cpu", "--rounds", "2", "--cases",
-                          "causal_4k,ragged_p8196", "--json", str(out)],
+                          "causal_4k,ragged_p8196,naive_p8196", "--json", str(out)],
                          capture_output=True, text=True, cwd=root, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "| causal_4k | TFLOP/s |" in res.stdout and "| ragged_p8196 | ms |" in res.stdout
+    assert "| naive_p8196 | ms |" in res.stdout
     rounds = json.loads(out.read_text())["rounds"]
     assert len(rounds["A"]) == len(rounds["B"]) == 2
     assert all(r["causal_4k"][0] > 0 and r["ragged_p8196"][0] > 0 for r in rounds["A"])

@@ -117,26 +117,46 @@ def test_multi_item_spans_fall_back_to_whole_tiles_when_the_workspace_is_small()
         assert partial == -1
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", range(8))
 def test_round_placement_equals_one_by_one_lpt(seed):
-    """_assign places equal-cost chunks a round at a time; the result must be exactly the
-    sequential rule: longest first (ties: lower chunk id) onto the least-loaded CTA (ties:
-    lower CTA id)."""
+    """_assign places chunks of one length a round at a time; the result must be
+    exactly the sequential rule: most tiles first (ties: lower kv head, then lower chunk id;
+    without tiles: costliest first) onto the least-loaded CTA (ties: lower CTA id). Costs
+    differ within a length (a partial last tile) and include zeros."""
     import heapq
 
     from jitattn.plan import _assign
     rng = np.random.default_rng(seed)
-    costs = rng.choice([16.0, 48.0, 100.0, 300.0, 301.0], size=int(rng.integers(1, 400)))
+    n = int(rng.integers(1, 400))
+    tiles = rng.choice([0, 1, 3, 7], size=n)
+    costs = np.where(tiles > 0, 16.0 + tiles * 64.0 - rng.choice([0.0, 5.0, 63.0], size=n), 0.0)
+    if seed % 2:
+        costs = np.where(tiles > 0, costs, 16.0)
+    heads = rng.integers(0, 3, size=n)
     num_ctas = int(rng.integers(1, 60))
-    cta, rank, makespan = _assign(costs, num_ctas)
-    heap, want = [(0.0, c) for c in range(num_ctas)], np.empty(len(costs), dtype=np.int64)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, c = heapq.heappop(heap)
-        want[i] = c
-        heapq.heappush(heap, (load + costs[i], c))
-    assert np.array_equal(cta, want)
-    assert makespan == max(load for load, _ in heap)
-    assert sorted(rank) == list(range(len(costs)))
+    for args, key in (((tiles, heads), lambda i: (-tiles[i], heads[i], i)),
+                      ((), lambda i: (-costs[i], i))):
+        cta, rank, makespan = _assign(costs, num_ctas, *args)
+        heap, want = [(0.0, c) for c in range(num_ctas)], np.empty(n, dtype=np.int64)
+        for i in sorted(range(n), key=key):
+            load, c = heapq.heappop(heap)
+            want[i] = c
+            heapq.heappush(heap, (load + costs[i], c))
+        assert np.array_equal(cta, want)
+        assert makespan == max(load for load, _ in heap)
+        assert sorted(rank) == list(range(n))
+
+
+def test_equal_chunks_run_one_kv_head_at_a_time():
+    """Chunks of equal length are placed head by head, so the CTAs running at the same time
+    read one kv head's K/V (shared in L2): 32 requests x 8 kv heads of one 128-row tile each on
+    64 CTAs take heads 0 and 1 first, then 2 and 3, ..."""
+    plan = make_plan([64] * 32, [4096] * 32, [0] * 32, num_qo_heads=16, num_kv_heads=8,
+                     rows_per_cta=128, num_ctas=64, causal=False, window_left=None,
+                     split_kv=False)
+    heads = plan.items[:, 1].reshape(64, 4)  # 4 items per CTA, in the order each runs them
+    for step in range(4):
+        assert sorted(set(heads[:, step].tolist())) == [2 * step, 2 * step + 1]
 
 
 def test_workspace_item_capacity_and_tile_granularity():
