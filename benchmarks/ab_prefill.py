@@ -9,8 +9,9 @@ each side's best round (above 1: B is faster); ``--json`` keeps the numbers.
 
     python benchmarks/ab_prefill.py BASE_REV [NEW_REV] [--rounds 3] [--cases causal_16k,...]
 
-NEW_REV defaults to the working tree; either side may also be a directory holding a copy. ``--device cpu`` runs tiny shapes on the CPU backend (a
-smoke test of the harness, not a timing).
+NEW_REV defaults to the working tree; either side may also be a directory holding a copy (one
+with a ``jitattn/`` package). ``--device cpu`` runs tiny shapes on the CPU backend (a smoke test
+of the harness, not a timing).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def extract(rev: str | None, dst: Path) -> None:
     there, e.g. one made by ``git archive`` where the repository's history is not at hand)
     into ``dst``."""
     dst.mkdir(parents=True)
-    if rev is None or Path(rev).is_dir():
+    if rev is None or (Path(rev) / "jitattn").is_dir():
         for part in PARTS:
             src = (ROOT if rev is None else Path(rev)) / part
             if src.is_dir():

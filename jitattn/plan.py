@@ -7,14 +7,14 @@ W = sum over tiles of the KV length each tile can see (causal and window ranges 
 chunk cap is L = max(1, ceil(W / C)) with C resident CTAs (here ceil(W / kC), k in 1..8 chosen
 by the predicted makespan, which evens out waves), every tile's KV range is cut into
 chunks of at most L keys (rounded up to whole kv_tile-key tiles), chunks are sorted by length
-in whole kv_tile-key tiles (the kernel's work), longest first, ties by kv head and then id (so
-that the CTAs run one head's chunks at a time and read K/V they share from L2), and each goes to
-the least-loaded CTA with cost alpha * rows + beta * len. One more candidate, a linear partition
-(stream-K, Osama et al. 2023: the ranges laid end to end and cut into C runs of equal cost), is
-taken when it predicts a clearly shorter makespan: it balances batches of a few long ranges that
-equal chunks cannot (16 x 32768 keys on 264 CTAs). A plan that cuts tiles is kept only when it predicts a makespan
-shorter than the plan without cuts by more than MERGE_ITEMS items' fixed cost, since it also
-launches the merge kernel. A tile cut into several chunks writes partial states that a merge
+in whole kv_tile-key tiles (the kernel's work), longest first, ties by kv head and then id (among
+chunks of equal length the CTAs take one head's chunks before the next, and read the K/V they
+share from L2), and each goes to the least-loaded CTA with cost alpha * rows + beta * len. One
+more candidate, a linear partition (stream-K, Osama et al. 2023: the ranges laid end to end and
+cut into C runs of equal cost), is taken when it predicts a clearly shorter makespan: it
+balances batches of a few long ranges that equal chunks cannot (16 x 32768 keys on 264 CTAs). A
+plan that cuts tiles is kept only when it predicts a makespan shorter than the plan without cuts
+by more than MERGE_ITEMS items' fixed cost, since it also launches the merge kernel. A tile cut into several chunks writes partial states that a merge
 kernel combines in chunk order; nothing uses atomics, so the same plan gives bit-identical
 outputs run after run.
 """
@@ -287,17 +287,16 @@ def _assign(costs: np.ndarray, num_ctas: int, tiles: np.ndarray | None = None,
         if not len(group):
             continue
         c = costs[group]
-        if c.max() <= 0:  # free chunks leave the loads as they are: all go to the least-loaded
+        if not c.any():  # free chunks leave the loads as they are: all go to the least-loaded
             cta[group] = int(np.argmin(loads))
-            continue
-        if len(group) == 1 or c.min() <= 0:  # one by one: the least-loaded CTA, lowest id first
-            for i in group.tolist():
-                cta[i] = best = int(np.argmin(loads))
-                loads[best] += costs[i]
             continue
         pos, c_min = 0, c.min()
         while pos < len(group):
-            ready = np.flatnonzero(loads < loads.min() + c_min)
+            # a round; one chunk alone where it would be empty (a load too large for c_min to
+            # move it in float64) or not exact (costs of 0 or below)
+            ready = np.flatnonzero(loads < loads.min() + c_min) if c_min > 0 else ()
+            if len(ready) < 2:
+                ready = np.array([int(np.argmin(loads))])
             ready = ready[np.lexsort((ready, loads[ready]))][:len(group) - pos]
             cta[group[pos:pos + len(ready)]] = ready
             loads[ready] += c[pos:pos + len(ready)]

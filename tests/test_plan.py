@@ -127,13 +127,15 @@ def test_round_placement_equals_one_by_one_lpt(seed):
 
     from jitattn.plan import _assign
     rng = np.random.default_rng(seed)
-    n = int(rng.integers(1, 400))
+    n = int(rng.integers(0, 400)) if seed else 0
     tiles = rng.choice([0, 1, 3, 7], size=n)
     costs = np.where(tiles > 0, 16.0 + tiles * 64.0 - rng.choice([0.0, 5.0, 63.0], size=n), 0.0)
     if seed % 2:
         costs = np.where(tiles > 0, costs, 16.0)
+    if seed % 4 == 2:  # groups that mix zero and non-zero costs
+        costs[rng.random(n) < 0.2] = 0.0
     heads = rng.integers(0, 3, size=n)
-    num_ctas = int(rng.integers(1, 60))
+    num_ctas = 1 if seed == 3 else int(rng.integers(1, 60))
     for args, key in (((tiles, heads), lambda i: (-tiles[i], heads[i], i)),
                       ((), lambda i: (-costs[i], i))):
         cta, rank, makespan = _assign(costs, num_ctas, *args)
@@ -145,6 +147,16 @@ def test_round_placement_equals_one_by_one_lpt(seed):
         assert np.array_equal(cta, want)
         assert makespan == max(load for load, _ in heap)
         assert sorted(rank) == list(range(n))
+
+
+def test_assign_terminates_where_a_round_cannot_move_a_load():
+    """A cost too small to move a float64 load (1 against 1e17) makes a round's set of CTAs
+    empty; such groups are placed one by one instead of looping for ever."""
+    from jitattn.plan import _assign
+    cta, _, makespan = _assign(np.array([1e17, 1e17, 1.0, 1.0, 1.0]), 2,
+                               np.array([2, 2, 1, 1, 1]), np.zeros(5, dtype=np.int64))
+    # one by one: the loads stay tied at 1e17 (1e17 + 1 rounds back), so CTA 0 takes the rest
+    assert cta.tolist() == [0, 1, 0, 0, 0] and makespan == 1e17
 
 
 def test_equal_chunks_run_one_kv_head_at_a_time():
