@@ -54,12 +54,17 @@ def timed_rounds(fns: dict, *, rounds: int = 3, reps: int = 7, warmup: int = 2,
     ``rounds`` alternating rounds (timed() each, every fn once per round); each fn keeps its
     fastest round. Slow drift of the host or the clocks then hits every fn alike, and a
     transient stall (which only ever adds time) does not decide a comparison of calls that
-    take tens of microseconds."""
-    best = {name: math.inf for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            best[name] = min(best[name], timed(fn, reps=reps, warmup=warmup, device=device,
-                                               inner=inner))
+    take tens of microseconds. Round r starts at the r-th fn (the order rotates), so that no fn
+    always runs right after the same one: the H200 runs long kernels at its power limit, and
+    the clocks a fn gets depend on what ran before it (one launch measured 1.367 and 1.496 ms
+    in one run of a fixed order, right after different fns; docs/performance.md, session
+    12)."""
+    names = list(fns)
+    best = {name: math.inf for name in names}
+    for r in range(rounds if names else 0):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            best[name] = min(best[name], timed(fns[name], reps=reps, warmup=warmup,
+                                               device=device, inner=inner))
     return best
 
 

@@ -33,3 +33,19 @@ def test_ab_prefill_harness_smoke(tmp_path):
     rounds = json.loads(out.read_text())["rounds"]
     assert len(rounds["A"]) == len(rounds["B"]) == 2
     assert all(r["causal_4k"][0] > 0 and r["ragged_p8196"][0] > 0 for r in rounds["A"])
+
+
+def test_timed_rounds_rotates_the_order():
+    """Each round starts one implementation later, so none always runs right after the same
+    one (on the GPU the previous launch's power draw moves the next one's clocks); each keeps
+    its fastest round."""
+    from jitattn import bench
+    calls = []
+
+    def fn(name):
+        return lambda: calls.append(name)
+    times = bench.timed_rounds({n: fn(n) for n in "abc"}, rounds=4, reps=1, warmup=0,
+                               device="cpu")
+    assert calls == list("abc" "bca" "cab" "abc")  # on the CPU: one call per rep, no warm-up
+    assert sorted(times) == ["a", "b", "c"] and all(t >= 0 for t in times.values())
+    assert bench.timed_rounds({}, rounds=3, device="cpu") == {}
