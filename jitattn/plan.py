@@ -14,9 +14,9 @@ more candidate, a linear partition (stream-K, Osama et al. 2023: the ranges laid
 cut into C runs of equal cost), is taken when it predicts a clearly shorter makespan: it
 balances batches of a few long ranges that equal chunks cannot (16 x 32768 keys on 264 CTAs). A
 plan that cuts tiles is kept only when it predicts a makespan shorter than the plan without cuts
-by more than MERGE_ITEMS items' fixed cost, since it also launches the merge kernel. A tile cut into several chunks writes partial states that a merge
-kernel combines in chunk order; nothing uses atomics, so the same plan gives bit-identical
-outputs run after run.
+by more than MERGE_ITEMS items' fixed cost, since it also launches the merge kernel. A tile cut
+into several chunks writes partial states that a merge kernel combines in chunk order; nothing
+uses atomics, so the same plan gives bit-identical outputs run after run.
 """
 
 from __future__ import annotations
