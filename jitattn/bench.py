@@ -18,13 +18,22 @@ import jitattn as ja
 
 
 def timed(fn, *, reps: int = 50, warmup: int = 5, device: str = "cuda",
-          inner: int = 10) -> float:
+          inner: int = 10, steady_ms: float = 0.0) -> float:
     """Median milliseconds of one fn() call. On the GPU each of the reps measurements times
     ``inner`` back-to-back calls between two CUDA events, after one untimed call queued before
     the first event: the GPU is busy while the host prepares the timed calls, so the host's
     launch work overlaps the GPU's, as in a serving loop (without it the first call's host
     time, idle GPU time, counted in the measurement). Every implementation is timed the same
-    way. On the CPU, wall-clock time per call: only for smoke tests of the benchmark code."""
+    way. steady_ms: before the warm-up, ``inner`` calls at a time (waiting for each batch)
+    for at least this many milliseconds of wall time, so that a GPU at its power limit
+    reaches this fn's own clocks (0: none). On the CPU, wall-clock time per call: only for
+    smoke tests of the benchmark code."""
+    start = time.perf_counter()
+    while (time.perf_counter() - start) * 1e3 < steady_ms:
+        for _ in range(inner):
+            fn()
+        if device != "cpu":
+            torch.cuda.synchronize()
     for _ in range(warmup):
         fn()
     if device == "cpu":
@@ -49,22 +58,27 @@ def timed(fn, *, reps: int = 50, warmup: int = 5, device: str = "cuda",
 
 
 def timed_rounds(fns: dict, *, rounds: int = 3, reps: int = 7, warmup: int = 2,
-                 device: str = "cuda", inner: int = 10) -> dict:
+                 device: str = "cuda", inner: int = 10, steady_ms: float = 0.0) -> dict:
     """{name: milliseconds per call} for several implementations of one workload, measured in
     ``rounds`` alternating rounds (timed() each, every fn once per round); each fn keeps its
     fastest round. Slow drift of the host or the clocks then hits every fn alike, and a
     transient stall (which only ever adds time) does not decide a comparison of calls that
-    take tens of microseconds. Round r starts at the r-th fn (the order rotates), so that no fn
-    always runs right after the same one: the H200 runs long kernels at its power limit, and
-    the clocks a fn gets depend on what ran before it (one launch measured 1.367 and 1.496 ms
-    in one run of a fixed order, right after different fns; docs/performance.md, session
-    12)."""
+    take tens of microseconds. Rounds 2j and 2j + 1 take the given order rotated by j, the
+    odd one reversed, so that no fn always runs right after the same one (reversed, each runs
+    after the fn it preceded): the H200 runs long kernels at its power limit, and the clocks
+    a fn gets depend on what ran before it (one launch measured 1.367 and 1.496 ms in one run
+    of a fixed order, right after different fns, docs/performance.md session 12; rotated
+    alone, as here before, an order keeps every fn's predecessor: session 13). steady_ms:
+    as for timed()."""
     names = list(fns)
     best = {name: math.inf for name in names}
     for r in range(rounds if names else 0):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        j = (r // 2) % len(names)
+        order = names[j:] + names[:j]
+        for name in order[::-1] if r % 2 else order:
             best[name] = min(best[name], timed(fns[name], reps=reps, warmup=warmup,
-                                               device=device, inner=inner))
+                                               device=device, inner=inner,
+                                               steady_ms=steady_ms))
     return best
 
 

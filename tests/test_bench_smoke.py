@@ -35,17 +35,39 @@ def test_ab_prefill_harness_smoke(tmp_path):
     assert all(r["causal_4k"][0] > 0 and r["ragged_p8196"][0] > 0 for r in rounds["A"])
 
 
-def test_timed_rounds_rotates_the_order():
-    """Each round starts one implementation later, so none always runs right after the same
-    one (on the GPU the previous launch's power draw moves the next one's clocks); each keeps
-    its fastest round."""
+def test_timed_rounds_varies_each_ones_predecessor():
+    """Rounds alternate the given order (rotated by one every two rounds) and its reverse, so
+    that no implementation always runs right after the same one (on the GPU the previous
+    launch's power draw moves the next one's clocks); each keeps its fastest round."""
     from jitattn import bench
     calls = []
 
     def fn(name):
         return lambda: calls.append(name)
-    times = bench.timed_rounds({n: fn(n) for n in "abc"}, rounds=4, reps=1, warmup=0,
+    names = "abcde"
+    times = bench.timed_rounds({n: fn(n) for n in names}, rounds=5, reps=1, warmup=0,
                                device="cpu")
-    assert calls == list("abc" "bca" "cab" "abc")  # on the CPU: one call per rep, no warm-up
-    assert sorted(times) == ["a", "b", "c"] and all(t >= 0 for t in times.values())
+    rounds = [calls[i:i + 5] for i in range(0, 25, 5)]  # on the CPU: one call per rep
+    assert rounds[:3] == [list("abcde"), list("edcba"), list("bcdea")]
+    predecessors = {n: {r[r.index(n) - 1] for r in rounds if r.index(n) > 0} for n in names}
+    assert all(len(p) >= 2 for p in predecessors.values()), predecessors
+    assert sorted(times) == list(names) and all(t >= 0 for t in times.values())
     assert bench.timed_rounds({}, rounds=3, device="cpu") == {}
+
+
+def test_timed_runs_the_fn_untimed_for_steady_ms_first():
+    """steady_ms: calls of the fn itself, ``inner`` at a time, for at least that long before the
+    timed ones (a GPU at its power limit then runs the fn at its own clocks)."""
+    import time as _time
+
+    from jitattn import bench
+    calls = []
+
+    def fn():
+        calls.append(_time.perf_counter())
+    start = _time.perf_counter()
+    bench.timed(fn, reps=2, warmup=0, device="cpu", inner=4, steady_ms=30)
+    assert calls[-2] - start >= 0.03 and len(calls) % 4 == 2  # whole batches of 4, then 2 reps
+    calls.clear()
+    bench.timed(fn, reps=2, warmup=0, device="cpu", inner=4)
+    assert len(calls) == 2
