@@ -63,9 +63,11 @@ def timed_rounds(fns: dict, *, rounds: int = 3, reps: int = 7, warmup: int = 2,
     ``rounds`` alternating rounds (timed() each, every fn once per round); each fn keeps its
     fastest round. Slow drift of the host or the clocks then hits every fn alike, and a
     transient stall (which only ever adds time) does not decide a comparison of calls that
-    take tens of microseconds. Rounds 2j and 2j + 1 take the given order rotated by j, the
-    odd one reversed, so that no fn always runs right after the same one (reversed, each runs
-    after the fn it preceded): the H200 runs long kernels at its power limit, and the clocks
+    take tens of microseconds. Rounds 2j and 2j + 1 take the given order rotated to start at
+    its j-th fn from the end (round 0: as given), the odd one reversed, so that with three
+    fns or more and three rounds or more every fn runs after at least two different ones
+    (reversed, each runs after the fn it preceded): the H200 runs long kernels at its power
+    limit, and the clocks
     a fn gets depend on what ran before it (one launch measured 1.367 and 1.496 ms in one run
     of a fixed order, right after different fns, docs/performance.md session 12; rotated
     alone, as here before, an order keeps every fn's predecessor: session 13). steady_ms:
@@ -73,7 +75,7 @@ def timed_rounds(fns: dict, *, rounds: int = 3, reps: int = 7, warmup: int = 2,
     names = list(fns)
     best = {name: math.inf for name in names}
     for r in range(rounds if names else 0):
-        j = (r // 2) % len(names)
+        j = -(r // 2) % len(names)
         order = names[j:] + names[:j]
         for name in order[::-1] if r % 2 else order:
             best[name] = min(best[name], timed(fns[name], reps=reps, warmup=warmup,

@@ -40,8 +40,8 @@ def grid(quick: bool, device: str) -> list[dict]:
             chosen = sp.plan(p, [s] * m, hq, hkv, d)
             label = f"auto ({chosen})" if strategy == "auto" else strategy
             fns[label] = functools.partial(sp.run, q, k, v)
-        # alternating rounds, each fn keeping its fastest. Cells whose calls take under a
-        # millisecond are host-bound: two runs of the same code (auto and the strategy it
+        # alternating rounds, each fn keeping its fastest. Cells where naive takes under a
+        # millisecond (one timing, unsettled) are host-bound: two runs of the same code (auto and the strategy it
         # picks) were measured 3.7% apart with three rounds at P96 S256 M2 (session 7), and
         # 10-40% apart in the first cells of a process (session 13, where every fn ran
         # slower until the process had run for a while), more than the 5% target for auto
@@ -51,8 +51,8 @@ def grid(quick: bool, device: str) -> list[dict]:
         # each after other launches (sessions 12 and 13); each of their timings starts after
         # STEADY_MS of untimed calls of the fn itself, so every fn is measured at its own
         # sustained clocks.
-        cheap = timed(fns["naive"], reps=3, device=device) < 1
-        if cheap and not quick:
+        cheap = not quick and timed(fns["naive"], reps=3, device=device) < 1
+        if cheap:  # (its one timing of each fn is thrown away)
             timed_rounds(fns, rounds=1, reps=1, device=device, steady_ms=STEADY_MS)
         times = timed_rounds(fns, rounds=1 if quick else (15 if cheap else 3),
                              reps=5 if quick else 9, device=device,

@@ -1,5 +1,7 @@
 """The shared-prefix and cascade benchmark code runs (tiny sizes, CPU clock; not timings)."""
 
+import pytest
+
 from jitattn import bench_shared
 
 
@@ -36,22 +38,25 @@ def test_ab_prefill_harness_smoke(tmp_path):
 
 
 def test_timed_rounds_varies_each_ones_predecessor():
-    """Rounds alternate the given order (rotated by one every two rounds) and its reverse, so
-    that no implementation always runs right after the same one (on the GPU the previous
-    launch's power draw moves the next one's clocks); each keeps its fastest round."""
+    """Rounds alternate the given order (rotated every two rounds) and its reverse, so that
+    with three fns or more and three rounds or more every fn runs after at least two different
+    ones (on the GPU the previous launch's power draw moves the next one's clocks), counted over
+    the whole sequence of calls; each fn keeps its fastest round."""
     from jitattn import bench
     calls = []
 
     def fn(name):
         return lambda: calls.append(name)
-    names = "abcde"
-    times = bench.timed_rounds({n: fn(n) for n in names}, rounds=5, reps=1, warmup=0,
-                               device="cpu")
-    rounds = [calls[i:i + 5] for i in range(0, 25, 5)]  # on the CPU: one call per rep
-    assert rounds[:3] == [list("abcde"), list("edcba"), list("bcdea")]
-    predecessors = {n: {r[r.index(n) - 1] for r in rounds if r.index(n) > 0} for n in names}
-    assert all(len(p) >= 2 for p in predecessors.values()), predecessors
-    assert sorted(times) == list(names) and all(t >= 0 for t in times.values())
+    for n, rounds in ((3, 3), (7, 3), (7, 15), (5, 5), (8, 4)):
+        names = "abcdefgh"[:n]
+        calls.clear()
+        times = bench.timed_rounds({x: fn(x) for x in names}, rounds=rounds, reps=1, warmup=0,
+                                   device="cpu")  # on the CPU: one call per rep
+        assert sorted(calls) == sorted(list(names) * rounds)
+        assert calls[:2 * n] == list(names) + list(names)[::-1]
+        before = {x: {a for a, b in zip(calls, calls[1:]) if b == x and a != x} for x in names}
+        assert all(len(p) >= 2 for p in before.values()), (n, rounds, before)
+        assert sorted(times) == list(names) and all(t >= 0 for t in times.values())
     assert bench.timed_rounds({}, rounds=3, device="cpu") == {}
 
 
@@ -66,8 +71,29 @@ def test_timed_runs_the_fn_untimed_for_steady_ms_first():
     def fn():
         calls.append(_time.perf_counter())
     start = _time.perf_counter()
-    bench.timed(fn, reps=2, warmup=0, device="cpu", inner=4, steady_ms=30)
-    assert calls[-2] - start >= 0.03 and len(calls) % 4 == 2  # whole batches of 4, then 2 reps
+    bench.timed(fn, reps=2, warmup=1, device="cpu", inner=4, steady_ms=30)
+    # whole batches of 4, then the warm-up call and 2 reps, after the 30 ms
+    assert calls[-3] - start >= 0.03 and len(calls) % 4 == 3
     calls.clear()
-    bench.timed(fn, reps=2, warmup=0, device="cpu", inner=4)
-    assert len(calls) == 2
+    bench.timed(fn, reps=2, warmup=1, device="cpu", inner=4)
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("naive_ms, expected", [
+    (0.5, [dict(rounds=1, reps=1, steady_ms=300), dict(rounds=15, reps=9, steady_ms=0)]),
+    (2.0, [dict(rounds=3, reps=9, steady_ms=300)])])
+def test_shared_prefix_grid_settles_each_fn(monkeypatch, naive_ms, expected):
+    """The grid's timing protocol: where naive takes a millisecond or more, every timing after
+    300 ms of the fn's own calls (three rounds); in host-bound cells, 300 ms of each fn once,
+    then fifteen rounds."""
+    monkeypatch.setattr(bench_shared, "GRID", [(16, 2, 2)])
+    monkeypatch.setattr(bench_shared, "timed", lambda fn, **kw: naive_ms)
+    seen = []
+
+    def fake_rounds(fns, **kw):
+        seen.append({k: kw[k] for k in ("rounds", "reps", "steady_ms")})
+        return {name: 1.0 for name in fns}
+    monkeypatch.setattr(bench_shared, "timed_rounds", fake_rounds)
+    rows = bench_shared.grid(quick=False, device="cpu")
+    assert seen == expected
+    assert {r["impl"] for r in rows} >= {"naive", "ragged"} and len(rows) == 7
