@@ -43,6 +43,9 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+TUNE_DIR = "tune"  # the cache root's folder of `jitattn tune` tables (tune.py): not kernels, so
+#                    entries() does not list it and clear() keeps it (minutes of GPU to measure)
+
 class Cache:
     """The kernel cache rooted at ``root`` (default: env.cache_dir()).
 
@@ -152,7 +155,7 @@ class Cache:
         """meta.json of every entry (unreadable ones reported with an ``error``)."""
         out = []
         for folder in sorted(p for p in self.root.iterdir() if p.is_dir()
-                             and not p.name.startswith((".", "failed-"))):
+                             and not p.name.startswith((".", "failed-")) and p.name != TUNE_DIR):
             try:
                 meta = json.loads((folder / "meta.json").read_text())
             except (OSError, ValueError) as e:
@@ -163,10 +166,11 @@ class Cache:
 
     def clear(self) -> int:
         """Remove every entry (under its lock) and failed build; returns how many entries.
-        Lock files and in-progress staging folders of other processes are left alone."""
+        Lock files, in-progress staging folders of other processes and the tune tables
+        (TUNE_DIR) are left alone."""
         n = 0
         for p in list(self.root.iterdir()):
-            if p.name.startswith(".") or p.name.endswith(".lock"):
+            if p.name.startswith(".") or p.name.endswith(".lock") or p.name == TUNE_DIR:
                 continue
             if p.is_symlink():
                 p.unlink(missing_ok=True)

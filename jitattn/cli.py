@@ -54,6 +54,11 @@ def _cache(args) -> int:
     return 0
 
 
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def _compile(args) -> int:
     """Render and build every variant a file defines, for the requested specialisations."""
     try:
@@ -65,6 +70,7 @@ def _compile(args) -> int:
     if not variants:
         print(f"{args.variant_file}: defines no Variant and no make()", file=sys.stderr)
         return 2
+    arch = args.arch or (jit.device_arch(0) if not args.cpu and _cuda() else "sm_90a")
     for variant in variants:
         print(variant.describe())
         for head_dim in args.head_dim:
@@ -77,9 +83,9 @@ def _compile(args) -> int:
                 for dtype_tag in args.dtype:
                     for shared_kv in (False, True) if args.shared_kv else (False,):
                         src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag,
-                                                 head_dim=head_dim, arch=args.arch,
+                                                 head_dim=head_dim, arch=arch,
                                                  shared_kv=shared_kv)
-                        path, built = jit.compile_cached(src, args.arch)
+                        path, built = jit.compile_cached(src, arch)
                         print(f"  {'built' if built else 'cached'} {path}")
     return 0
 
@@ -103,7 +109,10 @@ def _tune(args) -> int:
         best = min(cell["ms"], key=cell["ms"].get)
         print(f"P{cell['prefix']} S{cell['suffix']} M{cell['requests']}: {best} "
               + " ".join(f"{k} {v:.3f}" for k, v in cell["ms"].items()))
-    print(f"table for {table['device']} written to {tune.save(table)}")
+    if args.quick:  # a smoke test's two noisy cells must not steer "auto" afterwards
+        print(f"--quick: table for {table['device']} not saved")
+    else:
+        print(f"table for {table['device']} written to {tune.save(table)}")
     return 0
 
 
@@ -121,7 +130,8 @@ def main(argv=None) -> int:
     b.add_argument("--dtype", nargs="+", default=["f16", "bf16"], choices=["f16", "bf16"],
                    help="CUDA kernels' q dtypes (the CPU library holds every dtype)")
     b.add_argument("--kind", nargs="+", default=list(render.KINDS), choices=render.KINDS)
-    b.add_argument("--arch", default="sm_90a", help="CUDA target, e.g. sm_90a, sm_80")
+    b.add_argument("--arch", help="CUDA target, e.g. sm_90a, sm_80 (default: the first "
+                   "visible GPU's, the one the runtime looks up; without a GPU, sm_90a)")
     b.add_argument("--cpu", action="store_true", help="build the CPU backend instead")
     b.add_argument("--shared-kv", action="store_true",
                    help="also build the CUDA kernels that read ragged shared prefixes "
@@ -137,7 +147,8 @@ def main(argv=None) -> int:
     r.set_defaults(fn=_bench)
     t = sub.add_parser("tune", help="measure the shared-prefix strategies on this device and "
                                     "store the table strategy='auto' uses")
-    t.add_argument("--quick", action="store_true", help="two small cells (a smoke test)")
+    t.add_argument("--quick", action="store_true",
+                   help="two small cells (a smoke test; the table is printed, not saved)")
     t.add_argument("--cpu", action="store_true", help="measure the CPU backend")
     t.add_argument("--heads", type=int, nargs=2, default=[16, 8],
                    metavar=("NUM_QO_HEADS", "NUM_KV_HEADS"))

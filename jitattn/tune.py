@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from . import env
+from .cache import TUNE_DIR
 
 PREFIXES, SUFFIXES, REQUESTS = (96, 512, 2048, 8196), (1, 4, 32, 256), (2, 8, 32)
 QUICK_CELLS = ((16, 2, 2), (40, 3, 4))
@@ -39,7 +40,7 @@ def device_key(device) -> str:
 
 
 def table_path(key: str) -> Path:
-    return env.cache_dir() / "tune" / (re.sub(r"[^A-Za-z0-9_.-]+", "_", key) + ".json")
+    return env.cache_dir() / TUNE_DIR / (re.sub(r"[^A-Za-z0-9_.-]+", "_", key) + ".json")
 
 
 @lru_cache(maxsize=None)

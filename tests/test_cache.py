@@ -146,10 +146,15 @@ def test_processes_starting_together_share_a_fresh_root(tmp_path):
 
 
 def test_cache_ls_and_clear(fresh_cache):
+    """ls and clear concern kernels: the `jitattn tune` tables beside them stay (minutes of GPU
+    time to measure again)."""
     jit.compile_cached(_src(), None)
     cache = Cache()
+    table = cache.root / "tune" / "cpu.json"
+    table.parent.mkdir()
+    table.write_text("{}")
     assert [e["key"] for e in cache.entries()] == [jit.cache_key(_src(), None)]
-    assert cache.clear() == 1 and cache.entries() == []
+    assert cache.clear() == 1 and cache.entries() == [] and table.read_text() == "{}"
 
 
 def test_debug_level_1_reports_cache_hits_in_a_fresh_process(private_cache):

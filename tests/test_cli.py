@@ -41,3 +41,22 @@ def test_compile_cuda(capsys):
 def test_compile_missing_file(capsys):
     assert cli.main(["compile", "no/such/variant.py", "--cpu"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gpu_arch, expected", [(None, "sm_90a"), ("sm_80", "sm_80")])
+def test_compile_targets_the_visible_gpu_by_default(monkeypatch, capsys, gpu_arch, expected):
+    """Without --arch, `jitattn compile` builds for the GPU the runtime will look kernels up for
+    (the first visible one), and for sm_90a without a GPU."""
+    from jitattn import jit
+    built = []
+    monkeypatch.setattr(cli, "_cuda", lambda: gpu_arch is not None)
+    monkeypatch.setattr(jit, "device_arch", lambda index: gpu_arch)
+    monkeypatch.setattr(jit, "compile_cached", lambda src, arch: built.append(arch) or
+                        ("kernel.cubin", True))
+    variant_file = str(env.variants_dir() / "alibi.py")
+    assert cli.main(["compile", variant_file, "--head-dim", "64", "--dtype", "f16",
+                     "--kind", "decode"]) == 0
+    assert built and set(built) == {expected}
+    assert cli.main(["compile", variant_file, "--head-dim", "64", "--dtype", "f16",
+                     "--kind", "decode", "--arch", "sm_89"]) == 0
+    assert built[-1] == "sm_89"

@@ -17,15 +17,26 @@ def fresh_tables(tmp_path, monkeypatch):
     tune.load.cache_clear()
 
 
-def test_tune_measures_every_strategy_and_stores_the_table(fresh_tables, capsys):
+def test_tune_quick_prints_every_strategy_and_saves_nothing(fresh_tables, capsys):
+    """--quick is a smoke test: its two tiny, noisy cells must not steer "auto" afterwards."""
     assert cli.main(["tune", "--quick", "--cpu", "--heads", "4", "2", "--head-dim", "64"]) == 0
-    table = json.loads(tune.table_path("cpu").read_text())
+    out = capsys.readouterr().out
+    assert "--quick: table for cpu not saved" in out and not tune.table_path("cpu").exists()
+    for p, s, m in tune.QUICK_CELLS:
+        line = next(x for x in out.splitlines() if x.startswith(f"P{p} S{s} M{m}: "))
+        assert all(f" {strategy} " in line for strategy in STRATEGIES)
+
+
+def test_tune_stores_the_table_and_auto_follows_it(fresh_tables):
+    table = tune.measure("cpu", quick=True, num_qo_heads=4, num_kv_heads=2, head_dim=64)
     assert (table["num_qo_heads"], table["num_kv_heads"], table["head_dim"]) == (4, 2, 64)
     assert [(c["prefix"], c["suffix"], c["requests"]) for c in table["cells"]] == \
         list(tune.QUICK_CELLS)
     for cell in table["cells"]:
         assert set(cell["ms"]) == set(STRATEGIES) and min(cell["ms"].values()) > 0
-    assert tune.load("cpu") == table and "written to" in capsys.readouterr().out
+    path = tune.save(table)
+    assert path == tune.table_path("cpu") and json.loads(path.read_text()) == table
+    assert tune.load("cpu") == table
     # auto now follows the table at the measured cells (within TIE of the fastest)
     sp = SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu")
     for cell in table["cells"]:
