@@ -126,10 +126,13 @@ def main(argv=None) -> int:
     c.set_defaults(fn=_cache)
     b = sub.add_parser("compile", help="build the kernels of a variant file into the cache")
     b.add_argument("variant_file")
-    b.add_argument("--head-dim", type=int, nargs="+", default=[128], choices=render.HEAD_DIMS)
+    b.add_argument("--head-dim", type=int, nargs="+", default=[128], choices=render.HEAD_DIMS,
+                   help="head dims to build (default: 128)")
     b.add_argument("--dtype", nargs="+", default=["f16", "bf16"], choices=["f16", "bf16"],
-                   help="CUDA kernels' q dtypes (the CPU library holds every dtype)")
-    b.add_argument("--kind", nargs="+", default=list(render.KINDS), choices=render.KINDS)
+                   help="CUDA kernels' q dtypes (default: both; the CPU library holds every "
+                   "dtype)")
+    b.add_argument("--kind", nargs="+", default=list(render.KINDS), choices=render.KINDS,
+                   help=f"kernel kinds (default: {' '.join(render.KINDS)})")
     b.add_argument("--arch", help="CUDA target, e.g. sm_90a, sm_80 (default: the first "
                    "visible GPU's, the one the runtime looks up; without a GPU, sm_90a)")
     b.add_argument("--cpu", action="store_true", help="build the CPU backend instead")
