@@ -312,12 +312,12 @@ class SharedPrefixPrefill:
         if q.shape[0] != total or k.shape[0] != total or v.shape[0] != total:
             raise ValueError(f"q, k, v must have {total} rows (P + sum(S_i)); got "
                              f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
-        pages = (k.unsqueeze(1), v.unsqueeze(1))  # pages of one token over the token layout
         out = torch.empty_like(q)
         unique_lse = None
         for name, rows, kind, keys in self._steps:
             w = self._wrappers[name]
-            cache = pages if keys is None else (k[keys], v[keys])
+            # keys None: pages of one token over the token layout (naive)
+            cache = (k.unsqueeze(1), v.unsqueeze(1)) if keys is None else (k[keys], v[keys])
             if kind == "naive":
                 gather, first, dest = rows
                 out[dest] = w.run(q[gather], cache, **params)[first]
