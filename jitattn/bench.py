@@ -60,28 +60,38 @@ def timed(fn, *, reps: int = 50, warmup: int = 5, device: str = "cuda",
 def timed_rounds(fns: dict, *, rounds: int = 3, reps: int = 7, warmup: int = 2,
                  device: str = "cuda", inner: int = 10, steady_ms: float = 0.0) -> dict:
     """{name: milliseconds per call} for several implementations of one workload, measured in
-    ``rounds`` alternating rounds (timed() each, every fn once per round); each fn keeps its
-    fastest round. Slow drift of the host or the clocks then hits every fn alike, and a
-    transient stall (which only ever adds time) does not decide a comparison of calls that
-    take tens of microseconds. Rounds 2j and 2j + 1 take the given order rotated to start at
-    its j-th fn from the end (round 0: as given), the odd one reversed, so that with three
-    fns or more and three rounds or more every fn runs after at least two different ones
-    (reversed, each runs after the fn it preceded): the H200 runs long kernels at its power
-    limit, and the clocks
-    a fn gets depend on what ran before it (one launch measured 1.367 and 1.496 ms in one run
-    of a fixed order, right after different fns, docs/performance.md session 12; rotated
-    alone, as here before, an order keeps every fn's predecessor: session 13). steady_ms:
-    as for timed()."""
+    ``rounds`` alternating rounds (timed() each, every fn once per round). A fn's result is its
+    median over the rounds of its time relative to the round's level (the geometric mean of
+    the round's times), times the fastest round's level: a host that slows down for seconds
+    (the H200 machine's ran every launch of the host-bound grid cells 1.6x slower for 2-4 s
+    at a time, docs/performance.md session 14) or slow drift of the clocks hits every fn of a
+    round alike, a slow phase that starts or ends inside a round moves that round only, and a
+    transient stall of one fn's timing (which only ever adds time) is one outlier of the
+    median. (Each fn keeping its fastest round, as before, let one fn's only fast timings fall
+    before such a change and another's all after it: the same launch measured 0.052 and 0.082
+    ms in one run.) With one fn, or one round, the fastest round. Rounds 2j and 2j + 1 take
+    the given order rotated to start at its j-th fn from the end (round 0: as given), the odd
+    one reversed, so that with three fns or more and three rounds or more every fn runs after
+    at least two different ones (reversed, each runs after the fn it preceded): the H200 runs
+    long kernels at its power limit, and the clocks a fn gets depend on what ran before it
+    (one launch measured 1.367 and 1.496 ms in one run of a fixed order, right after
+    different fns, docs/performance.md session 12; rotated alone, as here before, an order
+    keeps every fn's predecessor: session 13). steady_ms: as for timed()."""
     names = list(fns)
-    best = {name: math.inf for name in names}
+    rounds_ms = []  # {name: ms} per round
     for r in range(rounds if names else 0):
         j = -(r // 2) % len(names)
         order = names[j:] + names[:j]
-        for name in order[::-1] if r % 2 else order:
-            best[name] = min(best[name], timed(fns[name], reps=reps, warmup=warmup,
-                                               device=device, inner=inner,
-                                               steady_ms=steady_ms))
-    return best
+        rounds_ms.append({name: timed(fns[name], reps=reps, warmup=warmup, device=device,
+                                      inner=inner, steady_ms=steady_ms)
+                          for name in (order[::-1] if r % 2 else order)})
+    if not rounds_ms:
+        return {}
+    # a round's level: the geometric mean of its fns' times
+    levels = [math.exp(statistics.fmean(math.log(max(t, 1e-9)) for t in row.values()))
+              for row in rounds_ms]
+    return {name: statistics.median(row[name] / level for row, level in zip(rounds_ms, levels))
+            * min(levels) for name in names}
 
 
 def timed_graph(fn, *, reps: int = 20, inner: int = 10) -> float:

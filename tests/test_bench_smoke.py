@@ -41,7 +41,7 @@ def test_timed_rounds_varies_each_ones_predecessor():
     """Rounds alternate the given order (rotated every two rounds) and its reverse, so that
     with three fns or more and three rounds or more every fn runs after at least two different
     ones (on the GPU the previous launch's power draw moves the next one's clocks), counted over
-    the whole sequence of calls; each fn keeps its fastest round."""
+    the whole sequence of calls."""
     from jitattn import bench
     calls = []
 
@@ -58,6 +58,31 @@ def test_timed_rounds_varies_each_ones_predecessor():
         assert all(len(p) >= 2 for p in before.values()), (n, rounds, before)
         assert sorted(times) == list(names) and all(t >= 0 for t in times.values())
     assert bench.timed_rounds({}, rounds=3, device="cpu") == {}
+
+
+def test_timed_rounds_sees_through_slow_phases_of_the_host(monkeypatch):
+    """A host that runs everything 1.6x slower from some call on (a phase that begins inside
+    a round), plus one stalled timing: the results keep the fns' true ratios, at the fast
+    phase's level where a round ran whole in it (keeping each fn's fastest round gave the fns timed after the change their
+    slow time)."""
+    from jitattn import bench
+    base = {"a": 1.0, "b": 2.0, "c": 1.0, "d": 1.5, "e": 1.0}
+    for change in (2, 3, 7, 30, 60):  # the first slow call; rounds of 5 calls
+        seq = []
+
+        def fake_timed(fn, **kw):
+            name = fn()
+            seq.append(name)
+            slow = 1.6 if len(seq) > change else 1.0
+            stall = 3.0 if len(seq) == 12 else 1.0
+            return base[name] * slow * stall
+        monkeypatch.setattr(bench, "timed", fake_timed)
+        times = bench.timed_rounds({x: (lambda x=x: x) for x in base}, rounds=15, device="cpu")
+        level = times["a"] / base["a"]
+        for name, ms in times.items():
+            assert ms / level == pytest.approx(base[name], rel=1e-9), (change, times)
+        # at the fast phase's level when one round ran whole in it
+        assert level == pytest.approx(1.0) if change >= len(base) else 1.0 < level < 1.6
 
 
 def test_timed_runs_the_fn_untimed_for_steady_ms_first():
