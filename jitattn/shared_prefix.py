@@ -314,19 +314,23 @@ class SharedPrefixPrefill:
                              f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
         out = torch.empty_like(q)
         unique_lse = None
+        whole = slice(0, total)  # rows or keys of the whole layout: the tensors themselves
         for name, rows, kind, keys in self._steps:
             w = self._wrappers[name]
             # keys None: pages of one token over the token layout (naive)
-            cache = (k.unsqueeze(1), v.unsqueeze(1)) if keys is None else (k[keys], v[keys])
+            cache = (k.unsqueeze(1), v.unsqueeze(1)) if keys is None else \
+                (k, v) if keys == whole else (k[keys], v[keys])
             if kind == "naive":
                 gather, first, dest = rows
                 out[dest] = w.run(q[gather], cache, **params)[first]
-            elif kind == "direct":
-                w.run(q[rows], cache, out=out[rows], **params)
+                continue
+            q_rows, out_rows = (q, out) if rows == whole else (q[rows], out[rows])
+            if kind == "direct":
+                w.run(q_rows, cache, out=out_rows, **params)
             elif kind == "unique":
-                _, unique_lse = w.run(q[rows], cache, out=out[rows], return_lse=True, **params)
+                _, unique_lse = w.run(q_rows, cache, out=out_rows, return_lse=True, **params)
             else:  # shared level: merged into the unique level's rows in place
-                o_s, lse_s = w.run(q[rows], cache, return_lse=True, **params)
-                merge_state_in_place(out[rows], unique_lse, o_s, lse_s,
+                o_s, lse_s = w.run(q_rows, cache, return_lse=True, **params)
+                merge_state_in_place(out_rows, unique_lse, o_s, lse_s,
                                      reduction=self.variant.reduction)
         return out
