@@ -51,13 +51,16 @@ def check_indptr(name: str, x: np.ndarray) -> None:
 def check_batch(qo, kv_indptr, kv_indices, kv_last_page_len, *, decode: bool, kv_layout: str,
                 page_size: int, num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype,
                 capacity: dict, shared_prefix_start=None,
-                shared_prefix_len=None) -> BatchInputs:
+                shared_prefix_len=None, prefix: str = "") -> BatchInputs:
     """Check plan()'s arguments (qo: the host qo_indptr, int32 numpy; decode: the batch size
     comes from kv_indptr) against each other and the wrapper's capacities. Raises ValueError /
-    TypeError naming the argument."""
-    kv = masks_mod.host_int32("kv_indptr", kv_indptr)
+    TypeError naming the argument (prefix: before the names of kv_indptr, kv_indices and
+    kv_last_page_len, e.g. "unique_" for CascadeDecode.plan's)."""
+    n_indptr, n_indices, n_last = (prefix + n for n in ("kv_indptr", "kv_indices",
+                                                        "kv_last_page_len"))
+    kv = masks_mod.host_int32(n_indptr, kv_indptr)
     check_indptr("qo_indptr", qo)
-    check_indptr("kv_indptr", kv)
+    check_indptr(n_indptr, kv)
     batch = len(qo) - 1
     ragged = kv_layout == "ragged"
     if ragged:
@@ -67,27 +70,27 @@ def check_batch(qo, kv_indptr, kv_indices, kv_last_page_len, *, decode: bool, kv
         # tokens as pages of one: the page table is the identity
         kv_indices = torch.arange(int(kv[-1]), dtype=torch.int32)
         kv_last_page_len = torch.ones(batch, dtype=torch.int32)
-    indices = masks_mod.host_int32("kv_indices", kv_indices, allow_empty=True)
-    last = masks_mod.host_int32("kv_last_page_len", kv_last_page_len, allow_empty=True)
+    indices = masks_mod.host_int32(n_indices, kv_indices, allow_empty=True)
+    last = masks_mod.host_int32(n_last, kv_last_page_len, allow_empty=True)
     if len(kv) != batch + 1 or len(last) != batch:
         if decode:  # batch is len(kv_indptr) - 1
-            raise ValueError(f"kv_last_page_len has {len(last)} entries; kv_indptr's "
+            raise ValueError(f"{n_last} has {len(last)} entries; {n_indptr}'s "
                              f"{len(kv)} make a batch of {batch}")
         raise ValueError(f"qo_indptr has {len(qo)} entries, kv_indptr {len(kv)} and "
                          f"kv_last_page_len {len(last)}; expected batch + 1, batch + 1, "
                          f"batch")
     if kv[-1] > len(indices):
-        raise ValueError(f"kv_indptr[-1] is {kv[-1]} but kv_indices has {len(indices)} "
+        raise ValueError(f"{n_indptr}[-1] is {kv[-1]} but {n_indices} has {len(indices)} "
                          f"entries")
     used = indices[:kv[-1]]
     if len(used) and used.min() < 0:
-        raise ValueError(f"kv_indices holds a negative page id ({int(used.min())})")
+        raise ValueError(f"{n_indices} holds a negative page id ({int(used.min())})")
     pages = np.diff(kv)
     tokens_per_page = 1 if ragged else page_size
     bad = np.nonzero((pages > 0) & ((last < 1) | (last > tokens_per_page)))[0]
     if len(bad):
         b = int(bad[0])
-        raise ValueError(f"kv_last_page_len[{b}] is {last[b]}; expected 1 .. page_size "
+        raise ValueError(f"{n_last}[{b}] is {last[b]}; expected 1 .. page_size "
                          f"({page_size}) for a request with pages")
     for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

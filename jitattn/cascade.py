@@ -14,11 +14,15 @@ hooks read neither (shared_prefix.check_strategy, as for "cascade") are accepted
 from __future__ import annotations
 
 import dataclasses
+import operator
 
+import numpy as np
 import torch
 
+from . import masks as masks_mod
 from . import ops
 from .batch import BatchDecode, BatchPrefill, _cache_tensors, reject_kv_scales, resolve_device
+from .batch_inputs import check_batch
 from .merge import merge_states
 from .shared_prefix import check_strategy
 from .spec import Variant
@@ -95,7 +99,7 @@ class MultiLevelCascade:
             o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2)
             return (o, s) if return_lse else o
         if self._rows is None:
-            raise RuntimeError("MultiLevelCascade.run() called before plan()")
+            raise RuntimeError(f"{type(self).__name__}.run() called before plan()")
         if q.shape[0] < self._min_rows:
             raise ValueError(f"q has {q.shape[0]} rows; the plan uses rows up to "
                              f"{self._min_rows - 1}")
@@ -175,10 +179,29 @@ class CascadeDecode(MultiLevelCascade):
         last page. unique_*: each request's own pages, as for BatchDecode.plan. Returns the
         strategy used ("cascade" or "plain")."""
         self._rows, self.chosen = None, None
-        batch = len(unique_kv_indptr) - 1
+        # both strategies check every argument the same way, before anything is planned
+        shared = masks_mod.host_int32("shared_kv_indices", shared_kv_indices, allow_empty=True)
+        if len(shared) and shared.min() < 0:
+            raise ValueError(f"shared_kv_indices holds a negative page id ({int(shared.min())})")
+        shared_pages = len(shared)
+        try:
+            last = None if isinstance(shared_last_page_len, bool) else \
+                operator.index(shared_last_page_len)
+        except TypeError:
+            last = None
+        if last is None or (shared_pages and not 1 <= last <= self.page_size):
+            raise ValueError(f"shared_last_page_len={shared_last_page_len!r}: expected an int "
+                             f"in 1 .. page_size ({self.page_size})")
+        shared_last_page_len = last
+        unique_indptr = masks_mod.host_int32("unique_kv_indptr", unique_kv_indptr)
+        batch = len(unique_indptr) - 1
+        check_batch(np.arange(batch + 1, dtype=np.int32), unique_kv_indptr, unique_kv_indices,
+                    unique_kv_last_page_len, decode=True, kv_layout=self.plain.kv_layout,
+                    page_size=self.page_size, num_qo_heads=num_qo_heads,
+                    num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype,
+                    kv_dtype=None, capacity=self.plain.capacity, prefix="unique_")
         i32 = dict(dtype=torch.int32)
-        shared_pages = len(shared_kv_indices)
-        prefix_len = (shared_pages - 1) * self.page_size + int(shared_last_page_len) \
+        prefix_len = (shared_pages - 1) * self.page_size + shared_last_page_len \
             if shared_pages else 0
         aligned = shared_pages == 0 or int(shared_last_page_len) == self.page_size
         strategy = self.strategy
@@ -206,7 +229,7 @@ class CascadeDecode(MultiLevelCascade):
                                 num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
                                 sm_scale=sm_scale)
         self._set_rows([self._level_rows(0, batch, None), self._level_rows(1, batch, None)])
-        self.chosen = strategy
+        self.chosen, self._q_shape = strategy, (batch, num_qo_heads, head_dim)
         return strategy
 
     def _plan_plain(self, shared, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim,
@@ -236,4 +259,7 @@ class CascadeDecode(MultiLevelCascade):
             if params:
                 reject_kv_scales(self, params)
             return self.plain.run(q, kv_cache, return_lse=return_lse, **params)
+        if self.chosen is not None and isinstance(q, torch.Tensor) and \
+                q.shape[0] != self._q_shape[0]:  # (the levels accept rows beyond the plan's)
+            raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects {self._q_shape}")
         return super().run(q, kv_cache, return_lse=return_lse, **params)  # (rejects them too)

@@ -179,3 +179,51 @@ def test_auto_keeps_the_cascade_when_plain_tables_would_not_fit():
     cd = ja.CascadeDecode(variant, page_size=4, device="cpu", max_num_pages=20)
     assert cd.choose(batch, prefix_pages * 4, 2, 64) == "plain"
     assert cd.plan(*args) == "cascade"
+
+
+@pytest.mark.parametrize("strategy", ["cascade", "plain", "auto"])
+def test_every_strategy_checks_the_plan_arguments_alike(strategy):
+    """"plain" (and "auto" when it takes plain) checked nothing itself: a kv_last_page_len one
+    entry short was broadcast (a silent wrong answer), int64 indices were converted. Every
+    strategy now raises the same errors naming CascadeDecode.plan's arguments; and run()
+    refuses a q with more rows than requests (the cascade returned an extra row of zeros)."""
+    i32 = dict(dtype=torch.int32)
+    hq, hkv, d, page_size = 8, 2, 64, 4
+    good = dict(shared_kv_indices=torch.tensor([0, 1], **i32), shared_last_page_len=4,
+                unique_kv_indptr=torch.tensor([0, 1, 3], **i32),
+                unique_kv_indices=torch.tensor([2, 3, 4], **i32),
+                unique_kv_last_page_len=torch.tensor([2, 3], **i32), num_qo_heads=hq,
+                num_kv_heads=hkv, head_dim=d)
+    bad = [
+        (dict(unique_kv_last_page_len=torch.tensor([2], **i32)), ValueError,
+         r"unique_kv_last_page_len has 1 entries; unique_kv_indptr's 3 make a batch of 2"),
+        (dict(unique_kv_indices=torch.tensor([2, 3, 4])), TypeError,
+         r"unique_kv_indices has dtype torch.int64"),
+        (dict(unique_kv_indptr=[0, 1, 3]), TypeError, r"unique_kv_indptr must be a torch.Tensor"),
+        (dict(unique_kv_indptr=torch.tensor([0, 2, 1], **i32)), ValueError,
+         r"unique_kv_indptr must be non-decreasing"),
+        (dict(unique_kv_indptr=torch.tensor([1, 2, 3], **i32)), ValueError,
+         r"unique_kv_indptr\[0\] is 1; expected 0"),
+        (dict(unique_kv_last_page_len=torch.tensor([2, 5], **i32)), ValueError,
+         r"unique_kv_last_page_len\[1\] is 5"),
+        (dict(shared_kv_indices=torch.tensor([0, -1], **i32)), ValueError,
+         r"shared_kv_indices holds a negative page id"),
+        (dict(shared_kv_indices=torch.tensor([0, 1])), TypeError,
+         r"shared_kv_indices has dtype torch.int64"),
+        (dict(shared_last_page_len=5), ValueError, r"shared_last_page_len=5: expected an int in"),
+        (dict(shared_last_page_len=2.0), ValueError, r"shared_last_page_len=2.0"),
+        (dict(shared_last_page_len=True), ValueError, r"shared_last_page_len=True"),
+    ]
+    variant = ja.Variant("plain")
+    for change, error, message in bad:
+        cd = ja.CascadeDecode(variant, page_size=page_size, strategy=strategy, device="cpu")
+        with pytest.raises(error, match=message):
+            cd.plan(**{**good, **change})
+        with pytest.raises(RuntimeError, match=r"CascadeDecode.run\(\) called before plan"):
+            cd.run(torch.randn(2, hq, d).half(), (torch.randn(8, page_size, hkv, d).half(),) * 2)
+    cd = ja.CascadeDecode(variant, page_size=page_size, strategy=strategy, device="cpu")
+    cd.plan(**good)
+    cache = tuple(torch.randn(8, page_size, hkv, d).half() for _ in range(2))
+    assert cd.run(torch.randn(2, hq, d).half(), cache).shape == (2, hq, d)
+    with pytest.raises(ValueError, match=r"q has shape \(3, 8, 64\); the plan expects \(2, 8, 64\)"):
+        cd.run(torch.randn(3, hq, d).half(), cache)
