@@ -11,6 +11,8 @@ o = o_A + o_B (lse then reports log(exp(lse_A) + exp(lse_B))).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import launch
@@ -48,7 +50,7 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, reduction: str = "softma
         raise ValueError(f"reduction={reduction!r}: expected 'softmax' or 'sigmoid'")
     if o.dim() < 3:
         raise ValueError(f"merge_states: o must be [n, ..., head_dim], got {tuple(o.shape)}")
-    n, rows = o.shape[0], lse[0].numel()
+    n, rows = o.shape[0], math.prod(lse.shape[1:])  # (n may be 0: the empty merge)
     out = torch.empty(o.shape[1:], dtype=o.dtype, device=o.device)
     lse_out = torch.empty(lse.shape[1:], dtype=torch.float32, device=o.device)
     if rows and n:

@@ -44,6 +44,10 @@ def test_empty_states_are_the_identity_and_never_nan(device):
     assert (e_o == 0).all() and (e_lse == -math.inf).all()
     ja.merge_state_in_place(o, lse, empty_o, empty_lse)
     assert not o.isnan().any()
+    # a merge of no states at all: the identity (it raised IndexError)
+    none_o, none_lse = ja.merge_states(o[:0].unsqueeze(1).expand(0, 3, 4, 64).contiguous(),
+                                       lse[:0].unsqueeze(1).expand(0, 3, 4).contiguous())
+    assert none_o.shape == (3, 4, 64) and (none_o == 0).all() and (none_lse == -math.inf).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
