@@ -199,13 +199,20 @@ class SharedPrefixPrefill:
         suffixes of suffix_lens[i] >= 1 tokens. sm_scale: as for BatchPrefill.plan (default
         1 / sqrt(head_dim)). Returns the strategy used."""
         self._steps = []  # a failed plan() leaves nothing half-planned behind
-        suffix_lens = [operator.index(s) for s in suffix_lens]
         try:
-            prefix_len = operator.index(prefix_len)
+            given = list(suffix_lens)
+            if any(isinstance(s, bool) for s in given):
+                raise TypeError
+            suffix_lens = [operator.index(s) for s in given]
+        except TypeError:
+            raise TypeError(f"suffix_lens={suffix_lens!r}: expected a sequence of ints") \
+                from None
+        try:
+            given, prefix_len = prefix_len, operator.index(prefix_len)
         except TypeError:
             raise ValueError(f"prefix_len={prefix_len!r}: expected an int >= 0") from None
-        if prefix_len < 0 or isinstance(prefix_len, bool):
-            raise ValueError(f"prefix_len={prefix_len!r}: expected an int >= 0")
+        if prefix_len < 0 or isinstance(given, bool):
+            raise ValueError(f"prefix_len={given!r}: expected an int >= 0")
         if not suffix_lens or min(suffix_lens) < 1:
             raise ValueError(f"suffix_lens={suffix_lens}: expected at least one request, each "
                              f"with at least one token of its own")
@@ -297,7 +304,9 @@ class SharedPrefixPrefill:
                        [total], custom_mask=torch.from_numpy(visible.reshape(-1)))
             steps.append(("custom", slice(0, total), "direct", slice(0, total)))
         self._steps = steps
-        self._planned = dict(total=total, heads=heads, strategy=strategy)
+        self._planned = dict(total=total, heads=heads, strategy=strategy, shapes=(
+            torch.Size((total, num_qo_heads, head_dim)),
+            torch.Size((total, num_kv_heads, head_dim)), q_dtype))
         return strategy
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **params) -> torch.Tensor:
@@ -309,9 +318,19 @@ class SharedPrefixPrefill:
         if not self._steps:
             raise RuntimeError("SharedPrefixPrefill.run() called before plan()")
         total = self._planned["total"]
-        if q.shape[0] != total or k.shape[0] != total or v.shape[0] != total:
-            raise ValueError(f"q, k, v must have {total} rows (P + sum(S_i)); got "
-                             f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+        q_shape, kv_shape, dtype = self._planned["shapes"]
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and
+                isinstance(v, torch.Tensor) and q.shape == q_shape and k.shape == kv_shape and
+                v.shape == kv_shape and q.dtype == k.dtype == v.dtype == dtype):
+            for name, t, shape in (("q", q, q_shape), ("k", k, kv_shape), ("v", v, kv_shape)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                if t.shape != shape:
+                    raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan expects "
+                                     f"{tuple(shape)} ({total} rows: P + sum(S_i))")
+                if t.dtype != dtype:
+                    raise TypeError(f"{name} has dtype {t.dtype}; the plan was made for {dtype} "
+                                    f"(plan(..., q_dtype=) sets it)")
         out = torch.empty_like(q)
         unique_lse = None
         whole = slice(0, total)  # rows or keys of the whole layout: the tensors themselves

@@ -92,9 +92,24 @@ def test_bad_arguments():
         sp.plan(10, [3, 0], 4, 4, 64)
     with pytest.raises(RuntimeError, match="before plan"):
         sp.run(*_layout(10, [3], 4, 4, 64, torch.float16, 0))
-    sp.plan(10, [3], 4, 4, 64)
-    with pytest.raises(ValueError, match="13 rows"):
-        sp.run(*_layout(10, [4], 4, 4, 64, torch.float16, 0))
+    with pytest.raises(ValueError, match="prefix_len=True"):
+        sp.plan(True, [3], 4, 4, 64)
+    with pytest.raises(TypeError, match=r"suffix_lens=\[2.0\]: expected a sequence of ints"):
+        sp.plan(10, [2.0], 4, 4, 64)
+    with pytest.raises(TypeError, match=r"suffix_lens=\[True\]"):
+        sp.plan(10, [True], 4, 4, 64)
+    for strategy in ("naive", "ragged", "cascade"):  # errors name run()'s own arguments
+        sp = SharedPrefixPrefill(variant, strategy, device="cpu")
+        sp.plan(10, [3], 4, 2, 64)
+        q, k, v = _layout(10, [3], 4, 2, 64, torch.float16, 0)
+        with pytest.raises(ValueError, match=r"q has shape \(14, 4, 64\); the plan expects "
+                                             r"\(13, 4, 64\) \(13 rows"):
+            sp.run(*_layout(10, [4], 4, 2, 64, torch.float16, 0))
+        with pytest.raises(ValueError, match=r"k has shape \(13, 4, 64\); the plan expects "
+                                             r"\(13, 2, 64\)"):
+            sp.run(q, q, v)
+        with pytest.raises(TypeError, match=r"v has dtype torch.float32"):
+            sp.run(q, k, v.float())
 
 
 def test_cascade_merges_sigmoid_states_by_addition():
