@@ -104,7 +104,10 @@ class Variant:
     mask_mod: ``f(b, h, q_idx, kv_idx) -> bool``; False hides the key (ANDed with mask/window).
     pos_encoding: :class:`RoPE` applied to q and k on load, or None.
     reduction: ``"softmax"``, or ``"sigmoid"``: out = sum_j sigmoid(s_j) v_j, unnormalised;
-        lse then reports log(sum_j sigmoid(s_j)), and partial states merge by addition.
+        lse then reports log(sum_j sigmoid(s_j)), and partial states merge by addition. The
+        sum is float32: where every visible score is below about -88 it underflows to 0 and
+        lse is -inf, as for a row that sees no key (out is 0 to float32's precision either
+        way, and the merge adds nothing for such a state).
     Raises SpecError for anything that cannot be compiled.
     """
 
@@ -254,8 +257,8 @@ class Variant:
             if t.shape[dim] < extent[sym]:
                 raise ValueError(
                     f"tensor {shown.get(name, name)!r} (shape {tuple(t.shape)}) is indexed by "
-                    f"{sym} in dimension {dim}, which reaches {extent[sym] - 1}, but that "
-                    f"dimension has only {t.shape[dim]} entries")
+                    f"{sym} in dimension {dim}, which reaches {extent[sym] - 1}: that "
+                    f"dimension needs {extent[sym]} entries, it has {t.shape[dim]}")
         return bound
 
     def describe(self) -> str:

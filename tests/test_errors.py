@@ -114,7 +114,8 @@ def test_a_captured_tensor_too_short_for_its_index_is_named_by_its_variable():
     variant = ja.Variant("short_table", score_mod=lambda s, b, h, q, kv: s + bad[q])
     q = torch.randn(20, 2, 64).half()
     with pytest.raises(ValueError, match=r"tensor 'bad \(score_captured0\)' .* indexed by "
-                                         r"q_idx .* reaches 19, .* only 5 entries"):
+                                         r"q_idx .* reaches 19: that dimension needs 20 "
+                                         r"entries, it has 5"):
         ja.attention(q, q, q, variant)
 
 
