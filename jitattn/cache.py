@@ -137,20 +137,6 @@ class Cache:
         elif folder.exists():
             shutil.rmtree(folder)
 
-    def remember(self, filename: str, stamp: str, compute) -> str:
-        """A small string memo kept in ``<root>/<filename>`` (JSON), keyed by ``stamp``."""
-        path = self.root / filename
-        try:
-            memo = json.loads(path.read_text())
-        except (OSError, ValueError):
-            memo = {}
-        if stamp not in memo:
-            memo[stamp] = compute()
-            tmp = path.with_name(f"{filename}.{uuid.uuid4().hex[:8]}")
-            tmp.write_text(json.dumps(memo, indent=1))
-            os.replace(tmp, path)
-        return memo[stamp]
-
     def entries(self) -> list[dict]:
         """meta.json of every entry (unreadable ones reported with an ``error``)."""
         out = []

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import shutil
 import sys
 import time
@@ -42,23 +41,13 @@ def device_arch(device_index: int) -> str:
     return f"sm_{major}{minor}{'a' if (major, minor) == (9, 0) else ''}"
 
 
-def _compiler_fingerprint(lang: str, cache: Cache) -> str:
-    """build.compiler_fingerprint, remembered in the cache root per compiler binary (path, size,
-    mtime), so a warm process does not run ``nvcc --version``."""
-    tool = env.nvcc_path() if lang == "cuda" else env.cxx_path()
-    if tool is None or shutil.which(tool) is None:
-        return build.compiler_fingerprint(lang)
-    real = os.path.realpath(shutil.which(tool))
-    st = os.stat(real)
-    stamp = f"{lang}:{real}:{st.st_size}:{st.st_mtime_ns}"
-    return cache.remember(".compilers.json", stamp, lambda: build.compiler_fingerprint(lang))
-
-
-def cache_key(src: RenderedSource, arch: str | None, cache: Cache | None = None) -> str:
+def cache_key(src: RenderedSource, arch: str | None) -> str:
     """Readable name plus a hash of everything that changes the binary: the rendered source,
-    every header it can include, compiler fingerprint and flags, arch, jitattn version."""
+    every header it can include, compiler fingerprint (its version banner, asked once per
+    process: a memo on disk keyed by the compiler's file reused a stale binary when that file
+    was a wrapper script whose target changed) and flags, arch, jitattn version."""
     h = hashlib.sha256()
-    fingerprint = _compiler_fingerprint(src.lang, cache or Cache())
+    fingerprint = build.compiler_fingerprint(src.lang)
     for part in (src.code, src.headers_digest, fingerprint,
                  " ".join(build.flags(src.lang, arch)), str(arch), __version__):
         h.update(part.encode())
@@ -70,7 +59,7 @@ def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = 
     """Binary path for ``src``: from the cache, or built under the key's lock and published.
     Returns (path, built: bool)."""
     cache = cache or Cache()
-    key = cache_key(src, arch, cache)
+    key = cache_key(src, arch)
     binary = build.BINARY_NAME[src.lang]
     path = cache.load(key, binary)
     if path is not None:

@@ -57,6 +57,27 @@ def test_key_changes_with_the_source(fresh_cache):
     assert len({a, b, c}) == 3
 
 
+def test_key_follows_the_compilers_banner_through_a_wrapper(fresh_cache, tmp_path,
+                                                             monkeypatch):
+    """A compiler reached through a wrapper script (as /usr/local/bin/nvcc is on the CI
+    machine) whose target changes: the key changes with the banner although the wrapper file
+    does not (a memo keyed by the wrapper's path, size and mtime reused the old binary)."""
+    from jitattn import build
+    banner = tmp_path / "banner"
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then cat {banner}; exit 0; fi\n'
+                       f'exec g++ "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("JITATTN_CXX", str(wrapper))
+    keys = []
+    for version in ("fakecc 1.0", "fakecc 2.0"):
+        banner.write_text(version)
+        build.compiler_fingerprint.cache_clear()  # a new process
+        keys.append(jit.cache_key(_src(), None))
+    build.compiler_fingerprint.cache_clear()
+    assert keys[0] != keys[1]
+
+
 def test_truncated_binary_is_rebuilt(fresh_cache):
     path, _ = jit.compile_cached(_src(), None)
     path.write_bytes(path.read_bytes()[:100])
