@@ -82,10 +82,14 @@ def _ninja_file(src: RenderedSource, tool: str, flag_list: tuple) -> str:
 
 
 def _first_error(log: str) -> str:
-    for line in log.splitlines():
-        if "error" in line.lower():
-            return line.strip()
-    return (log.strip().splitlines() or ["compiler failed without output"])[0]
+    """The compiler's first error (or fatal) line; else ninja's FAILED line (a compiler that
+    failed without a word), else the log's first line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for pattern in (r"\b(error|fatal)\b", r"^FAILED:"):
+        found = next((line for line in lines if re.search(pattern, line, re.I)), None)
+        if found:
+            return found
+    return (lines or ["compiler failed without output"])[0]
 
 
 def _variant_line(src: RenderedSource, log: str) -> str | None:

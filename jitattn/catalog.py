@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -31,9 +32,24 @@ def builtin() -> dict[str, ModuleType]:
 
 
 def variants_in(module: ModuleType) -> list[Variant]:
-    """Variants a file defines: module-level Variant objects, else ``make()`` with defaults."""
+    """Variants a file defines: module-level Variant objects, else ``make()`` with defaults;
+    where make() needs arguments (tensors its hooks capture, e.g. document ids) and the file
+    has ``example(batch, num_qo_heads, num_kv_heads, qo_len, kv_len, device)``, the variant of
+    a small example: a kernel depends on a captured tensor's dtype and rank, not its size or
+    values, so it is the same kernel."""
     found = [v for v in vars(module).values() if isinstance(v, Variant)]
-    if not found and callable(getattr(module, "make", None)):
-        made = module.make()
+    make = getattr(module, "make", None)
+    if not found and callable(make):
+        required = [p for p in inspect.signature(make).parameters.values()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                           p.POSITIONAL_OR_KEYWORD)]
+        if not required:
+            made = make()
+        elif callable(getattr(module, "example", None)):
+            made = module.example(1, 2, 1, 16, 16, "cpu")[0]
+        else:
+            raise ValueError(f"{module.__file__}: make() takes arguments "
+                             f"({', '.join(p.name for p in required)}) and the file has no "
+                             f"example() to call it with")
         found = [made] if isinstance(made, Variant) else []
     return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,14 @@ def _cache(args) -> int:
         print(f"{meta['bytes'] / 1024:9.1f} KiB  {built}  {meta['key']}")
     print(f"{len(rows)} entries in {cache.root}")
     return 0
+
+
+def _arch(text: str) -> str:
+    """--arch's value: sm_<compute capability>, with an 'a' for arch-specific features."""
+    if not re.fullmatch(r"sm_\d{2,3}a?", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected sm_ and a compute capability, "
+                                         f"e.g. sm_90a (Hopper), sm_80, sm_89")
+    return text
 
 
 def _cuda() -> bool:
@@ -133,8 +142,8 @@ def main(argv=None) -> int:
                    "dtype)")
     b.add_argument("--kind", nargs="+", default=list(render.KINDS), choices=render.KINDS,
                    help=f"kernel kinds (default: {' '.join(render.KINDS)})")
-    b.add_argument("--arch", help="CUDA target, e.g. sm_90a, sm_80 (default: the first "
-                   "visible GPU's, the one the runtime looks up; without a GPU, sm_90a)")
+    b.add_argument("--arch", type=_arch, help="CUDA target, e.g. sm_90a, sm_80 (default: the "
+                   "first visible GPU's, the one the runtime looks up; without a GPU, sm_90a)")
     b.add_argument("--cpu", action="store_true", help="build the CPU backend instead")
     b.add_argument("--shared-kv", action="store_true",
                    help="also build the CUDA kernels that read ragged shared prefixes "

@@ -78,6 +78,27 @@ def test_key_follows_the_compilers_banner_through_a_wrapper(fresh_cache, tmp_pat
     assert keys[0] != keys[1]
 
 
+@pytest.mark.parametrize("script, expected", [
+    ('echo "cc1plus: fatal error: no space left" >&2; exit 1', "cc1plus: fatal error: no space"),
+    ("exit 1", "FAILED: kernel.so")])
+def test_compile_error_names_the_compilers_failure(fresh_cache, tmp_path, monkeypatch, script,
+                                                   expected):
+    """The message is the compiler's first error or fatal line, else ninja's FAILED line (it
+    was ninja's 'Entering directory' when no line said 'error')."""
+    from jitattn import build
+    compiler = tmp_path / "cc"
+    compiler.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exit 0\n{script}\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("JITATTN_CXX", str(compiler))
+    build.compiler_fingerprint.cache_clear()
+    try:
+        with pytest.raises(build.CompileError) as info:
+            jit.compile_cached(_src(), None)
+    finally:
+        build.compiler_fingerprint.cache_clear()
+    assert info.value.message.startswith(expected)
+
+
 def test_truncated_binary_is_rebuilt(fresh_cache):
     path, _ = jit.compile_cached(_src(), None)
     path.write_bytes(path.read_bytes()[:100])

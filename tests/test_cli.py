@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from jitattn import cli, env
+from jitattn import catalog, cli, env, jit, render
 
 
 def test_doctor(capsys):
@@ -25,6 +25,21 @@ def test_compile_cpu_then_ls_then_clear(capsys):
     assert "removed" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("name", ["document_mask", "relative_position_bias"])
+def test_compile_builds_files_whose_make_takes_tensors(name, capsys):
+    """make(doc_ids) / make(table) need a tensor: `compile` builds the variant of the file's
+    example(), the kernel a run with other sizes of the same tensors loads too (it failed
+    with make()'s missing argument)."""
+    path = env.variants_dir() / f"{name}.py"
+    module = catalog.load_file(path)
+    (variant,) = catalog.variants_in(module)
+    other, _ = module.example(3, 4, 2, 40, 57, "cpu")
+    assert jit.cache_key(render.render_cpu(variant, head_dim=64), None) == \
+        jit.cache_key(render.render_cpu(other, head_dim=64), None)
+    assert cli.main(["compile", str(path), "--cpu", "--head-dim", "64"]) == 0
+    assert "kernel.so" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_compile_cuda(capsys):
     variant_file = str(env.variants_dir() / "alibi.py")
@@ -41,6 +56,15 @@ def test_compile_cuda(capsys):
 def test_compile_missing_file(capsys):
     assert cli.main(["compile", "no/such/variant.py", "--cpu"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["90", "sm_80 -o /tmp/x", "compute_90", "sm_9"])
+def test_compile_refuses_a_malformed_arch(arch, capsys):
+    """--arch goes into nvcc's flags and the cache key (a '/' made a junk folder there)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["compile", str(env.variants_dir() / "softcap.py"), "--arch", arch])
+    assert e.value.code == 2
+    assert f"{arch!r}: expected sm_ and a compute capability" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("gpu_arch, expected", [(None, "sm_90a"), ("sm_80", "sm_80")])
