@@ -36,7 +36,8 @@ class CompileError(RuntimeError):
 
     def __str__(self):
         where = f"\n  variant code defined at {self.variant_source}" if self.variant_source else ""
-        return f"{self.message}\n  generated file: {self.path}{where}\n  command: {self.command}"
+        generated = f"\n  generated file: {self.path}" if self.path else ""
+        return f"{self.message}{generated}{where}\n  command: {self.command}"
 
 
 def arch_flag(arch: str) -> str:
@@ -54,7 +55,13 @@ def compiler_fingerprint(lang: str) -> str:
             return f"nvrtc-{_nvrtc_version()}"
         raise CompileError("no C++ compiler found for the CPU backend (install g++ or set "
                            "JITATTN_CXX)", path=None, log="", command="")
-    out = subprocess.run([tool, "--version"], capture_output=True, text=True)
+    try:
+        out = subprocess.run([tool, "--version"], capture_output=True, text=True)
+    except OSError as e:
+        var = "JITATTN_NVCC" if lang == "cuda" else "JITATTN_CXX"
+        raise CompileError(f"compiler {tool!r} cannot be run ({e.strerror}); {var}, if set, "
+                           f"must be the path of the executable alone (no flags)", path=None,
+                           log="", command=f"{tool} --version") from None
     return f"{tool}: {out.stdout.strip()}"
 
 

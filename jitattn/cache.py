@@ -4,7 +4,11 @@ checksums verified on every load.
 An entry is ``<root>/<key>/`` holding the generated source, build.ninja, the binary and
 ``meta.json`` (sha256 of the binary). It is built in a private temporary folder inside the root
 and published with one ``os.replace``; an entry that is partial, fails its checksum, or has a
-link leading out of the cache is removed and rebuilt, never loaded.
+link leading out of the cache is removed and rebuilt, never loaded. Entries are the folders named
+like a key (``<name>-<arch>-<16 hex digits>``): ``ls`` and ``clear`` leave anything else alone (a
+JITATTN_CACHE_DIR pointed at a shared folder by mistake). A root that exists but cannot be
+written (a prebuilt cache in a read-only image) still serves its verified entries; kernels
+missing there are built in a private temporary folder.
 """
 
 from __future__ import annotations
@@ -14,13 +18,16 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 import tempfile
 import time
 import uuid
+from glob import escape as glob_escape
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from . import env
 
@@ -39,8 +46,27 @@ def _fallback_root(reason: str) -> Path:
     return _FALLBACK[reason]
 
 
+class _Untrusted(OSError):
+    """A cache root that other users can write to: neither loaded from nor written."""
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+_ENTRY_NAME = re.compile(r"(failed-)?.+-[0-9a-f]{16}")  # jit.cache_key's form; failed builds
+_STAGING_NAME = re.compile(r"\.tmp-(?P<key>.+-[0-9a-f]{16})-\d+-[0-9a-f]{8}")  # staging()'s
+
+
+def _meta(folder: Path) -> dict:
+    """An entry's meta.json as a dict; ValueError when it is not one (or unreadable)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except OSError as e:
+        raise ValueError(str(e)) from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), str):
+        raise ValueError(f"meta.json is not an entry's metadata: {str(meta)[:60]!r}")
+    return meta
 
 
 TUNE_DIR = "tune"  # the cache root's folder of `jitattn tune` tables (tune.py): not kernels, so
@@ -49,17 +75,28 @@ TUNE_DIR = "tune"  # the cache root's folder of `jitattn tune` tables (tune.py):
 class Cache:
     """The kernel cache rooted at ``root`` (default: env.cache_dir()).
 
-    If the root cannot be created or written, a private temporary folder is used instead and a
-    warning is logged; ``fallback_reason`` then says why.
+    If the root cannot be created or written, or other users can write to it, a private
+    temporary folder is used instead and a warning is logged; ``fallback_reason`` then says
+    why. A root that exists and can be read but not written stays in ``read_only``: load()
+    verifies and returns its entries too.
     """
 
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else env.cache_dir()
+        self.configured = self.root    # the root asked for (ls / clear report on it)
+        self.read_only: Path | None = None  # an unwritable root whose entries are still loaded
         self.fallback_reason = None
         try:
             self._prepare(self.root)
         except OSError as e:
-            self.fallback_reason = f"cache directory {self.root} is not usable ({e})"
+            readable = not isinstance(e, _Untrusted) and self.root.is_dir() and \
+                os.access(self.root, os.R_OK | os.X_OK)
+            if readable:
+                self.read_only = self.root
+            self.fallback_reason = (
+                f"cache directory {self.root} is read-only ({e}): its kernels are loaded, new "
+                f"ones built" if readable else
+                f"cache directory {self.root} is not usable ({e})")
             self.root = _fallback_root(self.fallback_reason)
 
     @staticmethod
@@ -69,6 +106,10 @@ class Cache:
             os.chmod(root, 0o700)  # mkdir's mode is filtered by the umask
         except FileExistsError:
             pass  # made earlier, or by a process starting beside this one
+        mode = root.stat().st_mode
+        if mode & stat.S_IWOTH:  # anyone could plant a binary (and its checksum) we would run
+            raise _Untrusted(f"writable by every user (mode {stat.S_IMODE(mode):o}); chmod o-w "
+                             f"to use it")
         probe = root / f".probe-{uuid.uuid4().hex}"
         probe.write_bytes(b"")
         probe.unlink()
@@ -79,35 +120,49 @@ class Cache:
     def lock(self, key: str) -> FileLock:
         return FileLock(str(self.root / f"{key}.lock"))
 
-    def _inside(self, path: Path) -> bool:
+    def _inside(self, path: Path, root: Path) -> bool:
         try:
-            path.resolve(strict=True).relative_to(self.root.resolve())
+            path.resolve(strict=True).relative_to(root.resolve())
             return True
         except (OSError, ValueError):
             return False
 
-    def load(self, key: str, binary_name: str) -> Path | None:
-        """Path of a verified binary for ``key``, or None (missing, partial or corrupt)."""
-        folder = self.entry(key)
-        binary, meta = folder / binary_name, folder / "meta.json"
+    def load(self, key: str, binary_name: str, *, quiet: bool = False) -> Path | None:
+        """Path of a verified binary for ``key`` (in the root, else in a read-only root), or
+        None (missing, partial or corrupt; logged unless quiet)."""
+        for root in (self.root, self.read_only) if self.read_only else (self.root,):
+            found = self._verified(root, key, binary_name, quiet)
+            if found is not None:
+                return found
+        return None
+
+    def _verified(self, root: Path, key: str, binary_name: str, quiet: bool) -> Path | None:
+        folder = root / key
+        binary = folder / binary_name
         if not folder.exists() and not folder.is_symlink():
             return None
-        if folder.is_symlink() or binary.is_symlink() or meta.is_symlink() or not (
-                self._inside(binary) and self._inside(meta)):
-            log.warning("jitattn: cache entry %s has links or missing files; rebuilding", key)
+        if folder.is_symlink() or binary.is_symlink() or (folder / "meta.json").is_symlink() \
+                or not (self._inside(binary, root) and self._inside(folder / "meta.json", root)):
+            if not quiet:
+                log.warning("jitattn: cache entry %s has links or missing files; rebuilding",
+                            key)
             return None
         try:
-            expected = json.loads(meta.read_text())["sha256"]
-            ok = _sha256(binary) == expected
-        except (OSError, ValueError, KeyError):
+            ok = _sha256(binary) == _meta(folder)["sha256"]
+        except (OSError, ValueError):
             ok = False
         if not ok:
-            log.warning("jitattn: cache entry %s failed its checksum; rebuilding", key)
+            if not quiet:
+                log.warning("jitattn: cache entry %s failed its checksum; rebuilding", key)
             return None
         return binary
 
     def staging(self, key: str) -> Path:
-        """A fresh private folder inside the root to build ``key`` in."""
+        """A fresh private folder inside the root to build ``key`` in. Call with the key's lock
+        held: other staging folders of the key are then leftovers of builds that were killed,
+        and are removed."""
+        for old in self.root.glob(f".tmp-{glob_escape(key)}-*"):
+            shutil.rmtree(old, ignore_errors=True)
         path = self.root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         path.mkdir(mode=0o700)
         return path
@@ -118,7 +173,12 @@ class Cache:
         meta = {"key": key, "sha256": _sha256(staged / binary_name), "created": time.time(),
                 **info}
         (staged / "meta.json").write_text(json.dumps(meta, indent=1))
-        self.remove(key)
+        try:
+            self.remove(key)
+        except OSError as e:
+            raise OSError(f"the cache entry {self.entry(key)} is broken and cannot be removed "
+                          f"({e}); remove it by hand, or point JITATTN_CACHE_DIR elsewhere") \
+                from None
         os.replace(staged, self.entry(key))
         return self.entry(key) / binary_name
 
@@ -137,31 +197,48 @@ class Cache:
         elif folder.exists():
             shutil.rmtree(folder)
 
+    def _entry_folders(self, root: Path) -> list[Path]:
+        return sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()
+                      and _ENTRY_NAME.fullmatch(p.name) and not p.name.startswith("failed-"))
+
     def entries(self) -> list[dict]:
-        """meta.json of every entry (unreadable ones reported with an ``error``)."""
+        """meta.json of every entry, a read-only root's too (unreadable or malformed ones with
+        an ``error``); ``created`` is a time stamp, 0 when unknown."""
         out = []
-        for folder in sorted(p for p in self.root.iterdir() if p.is_dir()
-                             and not p.name.startswith((".", "failed-")) and p.name != TUNE_DIR):
+        roots = [r for r in (self.read_only, self.root) if r is not None]
+        for folder in (f for root in roots for f in self._entry_folders(root)):
             try:
-                meta = json.loads((folder / "meta.json").read_text())
-            except (OSError, ValueError) as e:
-                meta = {"key": folder.name, "error": str(e)}
-            meta["bytes"] = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+                meta = _meta(folder)
+            except ValueError as e:
+                meta = {"error": str(e)}
+            created = meta.get("created")
+            meta.update(key=folder.name, bytes=sum(f.stat().st_size for f in folder.iterdir()
+                                                   if f.is_file()),
+                        created=created if isinstance(created, (int, float)) else 0)
             out.append(meta)
         return out
 
     def clear(self) -> int:
-        """Remove every entry (under its lock) and failed build; returns how many entries.
-        Lock files, in-progress staging folders of other processes and the tune tables
-        (TUNE_DIR) are left alone."""
+        """Remove every entry and failed build (each under its key's lock) and the staging
+        folders of builds that were killed (whose key's lock is free); returns how many entries
+        are gone. Folders not named like an entry, links to them, lock files, staging folders of
+        builds in progress and the tune tables (TUNE_DIR) are left alone. Raises OSError for a
+        read-only root."""
+        if self.read_only is not None:
+            raise OSError(f"cache directory {self.read_only} is read-only: nothing removed")
         n = 0
         for p in list(self.root.iterdir()):
-            if p.name.startswith(".") or p.name.endswith(".lock") or p.name == TUNE_DIR:
+            if p.is_symlink() or not p.is_dir():
                 continue
-            if p.is_symlink():
-                p.unlink(missing_ok=True)
-            elif p.is_dir():
+            staging = _STAGING_NAME.fullmatch(p.name)
+            if staging:
+                try:
+                    with self.lock(staging["key"]).acquire(timeout=0):
+                        shutil.rmtree(p, ignore_errors=True)
+                except Timeout:
+                    pass  # a build in progress
+            elif _ENTRY_NAME.fullmatch(p.name):
                 with self.lock(p.name):
                     shutil.rmtree(p, ignore_errors=True)
-                n += not p.name.startswith("failed-")
+                n += not p.name.startswith("failed-") and not p.exists()
         return n

@@ -17,8 +17,11 @@ def _doctor(args) -> int:
     nvcc = env.nvcc_path()
     print(f"nvcc: {nvcc or 'not found (CUDA kernels will be built with NVRTC through CuPy)'}")
     if nvcc:
-        print("      " + build.compiler_fingerprint("cuda").splitlines()[-1])
-    print(f"c++ (CPU backend): {env.cxx_path() or 'not found'}")
+        print("      " + _banner("cuda"))
+    cxx = env.cxx_path()
+    print(f"c++ (CPU backend): {cxx or 'not found'}")
+    if cxx:
+        print("      " + _banner("cpp"))
     print(f"ninja: {env.ninja_path() or 'not found'}")
     try:
         import torch
@@ -37,21 +40,40 @@ def _doctor(args) -> int:
         print("cupy: not installed (needed only without nvcc, for NVRTC: "
               "pip install 'jitattn[cuda]')")
     cache = Cache()
-    note = f" (fallback: {cache.fallback_reason})" if cache.fallback_reason else ""
-    print(f"cache: {cache.root}{note}, {len(cache.entries())} entries")
+    print(f"cache: {_where(cache)}, {len(cache.entries())} entries")
     return 0
+
+
+def _banner(lang: str) -> str:
+    """The compiler's version line, or why it cannot be run."""
+    try:
+        return (build.compiler_fingerprint(lang).splitlines() or [""])[-1]
+    except build.CompileError as e:
+        return f"cannot be run: {e.message}"
+
+
+def _where(cache: Cache) -> str:
+    """The cache root asked for, and where new kernels go when that differs."""
+    if cache.fallback_reason is None:
+        return str(cache.root)
+    return f"{cache.configured} ({cache.fallback_reason}; new kernels go to {cache.root})"
 
 
 def _cache(args) -> int:
     cache = Cache()
     if args.action == "clear":
-        print(f"removed {cache.clear()} entries from {cache.root}")
+        try:
+            print(f"removed {cache.clear()} entries from {_where(cache)}")
+        except OSError as e:
+            print(f"jitattn cache clear: {e}", file=sys.stderr)
+            return 1
         return 0
     rows = cache.entries()
     for meta in rows:
-        built = time.strftime("%Y-%m-%d %H:%M", time.localtime(meta.get("created", 0)))
-        print(f"{meta['bytes'] / 1024:9.1f} KiB  {built}  {meta['key']}")
-    print(f"{len(rows)} entries in {cache.root}")
+        built = time.strftime("%Y-%m-%d %H:%M", time.localtime(meta["created"]))
+        error = f"  (unreadable: {meta['error']})" if "error" in meta else ""
+        print(f"{meta['bytes'] / 1024:9.1f} KiB  {built}  {meta['key']}{error}")
+    print(f"{len(rows)} entries in {_where(cache)}")
     return 0
 
 

@@ -6,12 +6,15 @@ kind, dtype, head_dim, device), so a warm call never renders, hashes or touches 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import shutil
 import sys
 import time
+
+from filelock import Timeout
 
 from . import __version__, build, env, load, render
 from .cache import Cache
@@ -55,6 +58,21 @@ def cache_key(src: RenderedSource, arch: str | None) -> str:
     return f"{src.name}-{arch or 'host'}-{h.hexdigest()[:16]}"
 
 
+@contextlib.contextmanager
+def _held(lock, key: str):
+    """A key's build lock; JITATTN_DEBUG >= 1 says when another process holds it."""
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if env.debug_level() >= 1:
+            _say(f"waiting for another process building {key} (lock {lock.lock_file})")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = None):
     """Binary path for ``src``: from the cache, or built under the key's lock and published.
     Returns (path, built: bool)."""
@@ -66,8 +84,8 @@ def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = 
         if env.debug_level() >= 1:
             _say(f"cache hit {key}")
         return path, False
-    with cache.lock(key):
-        path = cache.load(key, binary)  # another process may have built it while we waited
+    with _held(cache.lock(key), key):
+        path = cache.load(key, binary, quiet=True)  # built by another process while we waited?
         if path is not None:
             return path, False
         if env.debug_level() >= 4:
@@ -109,15 +127,26 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
     tiles = render.tiles_for_variant(variant, kind, head_dim, arch=arch, kv_tag=kv_tag)
     if backend == "cpu":
         src = render.render_cpu(variant, head_dim=head_dim)
-        path, _ = compile_cached(src, None)
-        kernel = load.load_cpu(path, src)
+        kernel = _built_and_loaded(src, None, lambda path: load.load_cpu(path, src))
     else:
         src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag, head_dim=head_dim,
                                  tiles=tiles, kv_tag=kv_tag, shared_kv=shared_kv)
-        path, _ = compile_cached(src, arch)
-        kernel = load.load_cuda(path, src, device_index)
+        kernel = _built_and_loaded(src, arch, lambda path: load.load_cuda(path, src,
+                                                                          device_index))
     _MEMO[memo_key] = kernel
     return kernel
+
+
+def _built_and_loaded(src: RenderedSource, arch: str | None, loader):
+    """loader(path) of compile_cached's binary; once more when the binary vanished between its
+    checksum and the load (a ``jitattn cache clear`` beside this process)."""
+    path, _ = compile_cached(src, arch)
+    try:
+        return loader(path)
+    except Exception:
+        if path.exists():
+            raise
+    return loader(compile_cached(src, arch)[0])
 
 
 def clear_memo() -> None:
@@ -134,10 +163,10 @@ def get_merge_kernel(*, backend: str, in_tag: str, out_tag: str, device_index: i
         return kernel
     if backend == "cpu":
         src = render.render_merge_cpu()
-        kernel = load.load_cpu(compile_cached(src, None)[0], src)
+        kernel = _built_and_loaded(src, None, lambda path: load.load_cpu(path, src))
     else:
         src = render.render_merge_cuda(in_tag, out_tag)
-        arch = device_arch(device_index)
-        kernel = load.load_cuda(compile_cached(src, arch)[0], src, device_index)
+        kernel = _built_and_loaded(src, device_arch(device_index),
+                                   lambda path: load.load_cuda(path, src, device_index))
     _MEMO[memo_key] = kernel
     return kernel

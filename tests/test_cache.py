@@ -209,3 +209,136 @@ def test_debug_level_1_reports_cache_hits_in_a_fresh_process(private_cache):
     hit = subprocess.run([sys.executable, "-c", script], env=dict(env, JITATTN_DEBUG="1"),
                          check=True, capture_output=True, text=True)
     assert "cache hit debug_hits" in hit.stderr
+
+
+def test_ls_and_clear_leave_folders_that_are_not_entries(fresh_cache, capsys):
+    """JITATTN_CACHE_DIR pointed at a shared folder by mistake: clear removed every folder in
+    it (other tools' caches) and ls listed them."""
+    from jitattn import cli
+    jit.compile_cached(_src(), None)
+    foreign = [fresh_cache / "huggingface" / "hub", fresh_cache / "pip"]
+    for folder in foreign:
+        folder.mkdir(parents=True)
+        (folder / "data").write_text("keep me")
+    assert cli.main(["cache", "ls"]) == 0
+    out = capsys.readouterr().out
+    assert "1 entries" in out and "huggingface" not in out and "pip" not in out
+    assert cli.main(["cache", "clear"]) == 0
+    assert "removed 1 entries" in capsys.readouterr().out
+    assert all((folder / "data").read_text() == "keep me" for folder in foreign)
+
+
+@pytest.mark.parametrize("meta", ["[]", "null", "{}", '{"sha256": 5}', "not json"])
+def test_malformed_metadata_is_rebuilt_and_listed(fresh_cache, meta, capsys):
+    """meta.json that is JSON but not an entry's metadata ([] or null raised TypeError in every
+    process loading the kernel, and in cache ls / doctor)."""
+    from jitattn import cli
+    path, _ = jit.compile_cached(_src(), None)
+    (path.parent / "meta.json").write_text(meta)
+    assert cli.main(["cache", "ls"]) == 0 and cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "unreadable" in out and path.parent.name in out
+    assert jit.compile_cached(_src(), None)[1]  # rebuilt
+    _run_variant()
+    meta = json.loads((path.parent / "meta.json").read_text())
+    meta["created"] = "yesterday"
+    (path.parent / "meta.json").write_text(json.dumps(meta))
+    assert cli.main(["cache", "ls"]) == 0 and "1970-01-01" in capsys.readouterr().out
+
+
+def test_staging_folders_of_killed_builds_are_removed(fresh_cache):
+    """A build killed mid-way leaves its staging folder: the key's next build removes it (it
+    holds the key's lock, so no other build of the key is running), and so does clear() when
+    the key's lock is free, never while it is held."""
+    key = jit.cache_key(_src(), None)
+    cache = Cache()
+    dead = fresh_cache / f".tmp-{key}-999999-0123abcd"
+    dead.mkdir()
+    (dead / "kernel.cpp").write_text("half written")
+    assert jit.compile_cached(_src(), None)[1] and not dead.exists()
+    busy_key, left_key = (f"{name}-host-0123456789abcdef" for name in ("busy", "left"))
+    busy, left = (fresh_cache / f".tmp-{k}-1-0123abcd" for k in (busy_key, left_key))
+    for folder in (busy, left):
+        folder.mkdir()
+    with cache.lock(busy_key):  # a build of that key in progress
+        assert cache.clear() == 1  # the entry built above
+        assert busy.exists() and not left.exists()
+    assert cache.clear() == 0 and not busy.exists()
+
+
+def test_a_read_only_root_serves_its_kernels(fresh_cache, monkeypatch, capsys):
+    """A prebuilt cache in a read-only image: its verified entries load (every process rebuilt
+    them in a temporary folder), new kernels are built in a private folder, and clear says it
+    cannot remove anything. (Simulated: this suite may run as root, which writes anywhere.)"""
+    from jitattn import cli
+    built, _ = jit.compile_cached(_src(), None)
+    real_prepare = Cache._prepare
+
+    def prepare(root):
+        if root == fresh_cache:
+            raise PermissionError(13, "Permission denied")
+        real_prepare(root)
+    monkeypatch.setattr(Cache, "_prepare", staticmethod(prepare))
+    cache = Cache()
+    assert cache.read_only == fresh_cache and cache.root != fresh_cache
+    assert "read-only" in cache.fallback_reason
+    assert jit.compile_cached(_src(), None) == (built, False)
+    other = _src(ja.Variant("cachetest", score_mod=ja.soft_cap(33.0)))
+    path, was_built = jit.compile_cached(other, None)
+    assert was_built and fresh_cache not in path.parents
+    assert cli.main(["cache", "clear"]) == 1
+    assert "read-only: nothing removed" in capsys.readouterr().err and built.exists()
+
+
+def test_a_root_every_user_can_write_is_not_used(fresh_cache):
+    """Anyone could plant a binary and its checksum there: neither loaded from nor written."""
+    path, _ = jit.compile_cached(_src(), None)
+    os.chmod(fresh_cache, 0o777)
+    try:
+        cache = Cache()
+        assert cache.read_only is None and cache.root != fresh_cache
+        assert "writable by every user" in cache.fallback_reason
+        assert cache.load(path.parent.name, path.name) is None
+    finally:
+        os.chmod(fresh_cache, 0o700)
+
+
+def test_a_binary_removed_between_its_checksum_and_its_load_is_built_again(fresh_cache):
+    """`jitattn cache clear` beside a process that has just verified an entry."""
+    calls = []
+
+    def loader(path):
+        calls.append(path)
+        if len(calls) == 1:
+            import shutil
+            shutil.rmtree(path.parent)
+            raise OSError(f"{path}: cannot open shared object file")
+        return "loaded"
+    assert jit._built_and_loaded(_src(), None, loader) == "loaded"
+    assert len(calls) == 2 and calls[1].is_file()
+
+
+def test_an_entry_that_cannot_be_removed_is_named(fresh_cache, monkeypatch):
+    path, _ = jit.compile_cached(_src(), None)
+    path.write_bytes(b"corrupt")
+
+    def refuse(key):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(Cache, "remove", lambda self, key: refuse(key))
+    with pytest.raises(OSError, match=r"cache entry .* is broken and cannot be removed "
+                                      r"\(\[Errno 13\] Permission denied\); remove it by hand"):
+        jit.compile_cached(_src(), None)
+
+
+def test_a_compiler_path_that_cannot_be_run_is_named(fresh_cache, monkeypatch, capsys):
+    from jitattn import build, cli
+    monkeypatch.setenv("JITATTN_CXX", "g++ -O0")
+    build.compiler_fingerprint.cache_clear()
+    try:
+        with pytest.raises(build.CompileError, match=r"compiler 'g\+\+ -O0' cannot be run .*"
+                                                     r"JITATTN_CXX, if set, must be the path"):
+            jit.compile_cached(_src(), None)
+        assert cli.main(["doctor"]) == 0
+        assert "cannot be run" in capsys.readouterr().out
+    finally:
+        build.compiler_fingerprint.cache_clear()
