@@ -40,9 +40,17 @@ def grid(quick: bool, device: str) -> list[dict]:
             chosen = sp.plan(p, [s] * m, hq, hkv, d)
             label = f"auto ({chosen})" if strategy == "auto" else strategy
             fns[label] = functools.partial(sp.run, q, k, v)
-        # alternating rounds, each fn keeping its fastest. Cells where naive takes under a
-        # millisecond (one timing, unsettled) are host-bound: two runs of the same code (auto and the strategy it
-        # picks) were measured 3.7% apart with three rounds at P96 S256 M2 (session 7), and
+        if device == "cuda":  # the peer, timed in the same rounds: every request [P, S_i] on
+            # its own, one SDPA call
+            idx = torch.cat([torch.cat([torch.arange(p), torch.arange(p + i * s, p + (i + 1) * s)])
+                             for i in range(m)]).to(device)
+            qb, kb, vb = (t[idx].view(m, p + s, -1, d).transpose(1, 2).contiguous()
+                          for t in (q, k, v))
+            fns["SDPA (per-request batch)"] = functools.partial(
+                F.scaled_dot_product_attention, qb, kb, vb, is_causal=True, enable_gqa=True)
+        # alternating rounds (bench.timed_rounds: each fn relative to its round). Cells where
+        # naive takes under a millisecond (one timing, unsettled) are host-bound: two runs of
+        # the same code (auto and the strategy it picks) were measured 3.7% apart with three rounds at P96 S256 M2 (session 7), and
         # 10-40% apart in the first cells of a process (session 13, where every fn ran
         # slower until the process had run for a while), more than the 5% target for auto
         # allows; they get every fn untimed for STEADY_MS once, then 15 rounds. Longer
@@ -57,14 +65,6 @@ def grid(quick: bool, device: str) -> list[dict]:
         times = timed_rounds(fns, rounds=1 if quick else (15 if cheap else 3),
                              reps=5 if quick else 9, device=device,
                              steady_ms=0 if quick or cheap else STEADY_MS)
-        if device == "cuda":  # the peer: every request [P, S_i] on its own, one SDPA call
-            idx = torch.cat([torch.cat([torch.arange(p), torch.arange(p + i * s, p + (i + 1) * s)])
-                             for i in range(m)]).to(device)
-            qb, kb, vb = (t[idx].view(m, p + s, -1, d).transpose(1, 2).contiguous()
-                          for t in (q, k, v))
-            times["SDPA (per-request batch)"] = timed(
-                lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True,
-                                                       enable_gqa=True), reps=20, warmup=2)
         for label, ms in times.items():
             rows.append({"case": f"P{p} S{s} M{m}", "impl": label, "ms": ms,
                          "speedup": times["naive"] / ms})

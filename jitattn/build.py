@@ -89,10 +89,13 @@ def _ninja_file(src: RenderedSource, tool: str, flag_list: tuple) -> str:
 
 
 def _first_error(log: str) -> str:
-    """The compiler's first error (or fatal) line; else ninja's FAILED line (a compiler that
-    failed without a word), else the log's first line."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    for pattern in (r"\b(error|fatal)\b", r"^FAILED:"):
+    """The compiler's first error (or fatal) line ("file(12): error: ...", "nvcc fatal   :
+    ...", "cc1plus: fatal error: ..."); else ninja's FAILED line (a compiler that failed
+    without a word), else the log's first line. ninja's own lines, which name the build folder
+    (and so the variant), are not the compiler's."""
+    lines = [line.strip() for line in log.splitlines()
+             if line.strip() and not line.startswith("ninja:")]
+    for pattern in (r"\b(error|fatal)\s*:", r"^FAILED:"):
         found = next((line for line in lines if re.search(pattern, line, re.I)), None)
         if found:
             return found

@@ -50,12 +50,21 @@ class _Untrusted(OSError):
     """A cache root that other users can write to: neither loaded from nor written."""
 
 
+def _trusted_read_only(path: Path) -> bool:
+    """Whether a folder or file of a root this process cannot write may be loaded from: owned
+    by this user or by root, and writable by neither its group nor others (whoever can write
+    there could plant a binary beside its checksum, or swap it after the check)."""
+    st = path.stat()
+    return st.st_uid in (os.getuid(), 0) and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-_ENTRY_NAME = re.compile(r"(failed-)?.+-[0-9a-f]{16}")  # jit.cache_key's form; failed builds
-_STAGING_NAME = re.compile(r"\.tmp-(?P<key>.+-[0-9a-f]{16})-\d+-[0-9a-f]{8}")  # staging()'s
+_KEY = r".+-(host|sm_\d{2,3}[a-z]?)-[0-9a-f]{16}"  # jit.cache_key's form: name-arch-hash
+_ENTRY_NAME = re.compile(rf"(failed-)?{_KEY}")  # an entry, or a failed build kept for reading
+_STAGING_NAME = re.compile(rf"\.tmp-(?P<key>{_KEY})-\d+-[0-9a-f]{{8}}")  # staging()'s folders
 
 
 def _meta(folder: Path) -> dict:
@@ -90,12 +99,12 @@ class Cache:
             self._prepare(self.root)
         except OSError as e:
             readable = not isinstance(e, _Untrusted) and self.root.is_dir() and \
-                os.access(self.root, os.R_OK | os.X_OK)
+                os.access(self.root, os.R_OK | os.X_OK) and _trusted_read_only(self.root)
             if readable:
                 self.read_only = self.root
             self.fallback_reason = (
                 f"cache directory {self.root} is read-only ({e}): its kernels are loaded, new "
-                f"ones built" if readable else
+                f"ones built in a private folder" if readable else
                 f"cache directory {self.root} is not usable ({e})")
             self.root = _fallback_root(self.fallback_reason)
 
@@ -149,6 +158,13 @@ class Cache:
             return None
         try:
             ok = _sha256(binary) == _meta(folder)["sha256"]
+            if ok and root == self.read_only:
+                untrusted = [p for p in (folder, binary, folder / "meta.json")
+                             if not _trusted_read_only(p)]
+                if untrusted:
+                    log.warning("jitattn: %s in the read-only cache is writable by other users "
+                                "or owned by one; not loaded", untrusted[0])
+                    return None
         except (OSError, ValueError):
             ok = False
         if not ok:
@@ -222,10 +238,10 @@ class Cache:
         """Remove every entry and failed build (each under its key's lock) and the staging
         folders of builds that were killed (whose key's lock is free); returns how many entries
         are gone. Folders not named like an entry, links to them, lock files, staging folders of
-        builds in progress and the tune tables (TUNE_DIR) are left alone. Raises OSError for a
-        read-only root."""
-        if self.read_only is not None:
-            raise OSError(f"cache directory {self.read_only} is read-only: nothing removed")
+        builds in progress and the tune tables (TUNE_DIR) are left alone. Raises OSError when
+        the root is not in use (read-only, or unusable: see fallback_reason)."""
+        if self.fallback_reason is not None:  # (this process's private folder is not it)
+            raise OSError(f"{self.fallback_reason}; nothing removed")
         n = 0
         for p in list(self.root.iterdir()):
             if p.is_symlink() or not p.is_dir():
@@ -238,7 +254,7 @@ class Cache:
                 except Timeout:
                     pass  # a build in progress
             elif _ENTRY_NAME.fullmatch(p.name):
-                with self.lock(p.name):
+                with self.lock(p.name.removeprefix("failed-")):  # (keep_failed holds it)
                     shutil.rmtree(p, ignore_errors=True)
                 n += not p.name.startswith("failed-") and not p.exists()
         return n

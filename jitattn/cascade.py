@@ -179,8 +179,15 @@ class CascadeDecode(MultiLevelCascade):
         last page. unique_*: each request's own pages, as for BatchDecode.plan. Returns the
         strategy used ("cascade" or "plain")."""
         self._rows, self.chosen = None, None
-        # both strategies check every argument the same way, before anything is planned
-        shared = masks_mod.host_int32("shared_kv_indices", shared_kv_indices, allow_empty=True)
+        # both strategies check every argument the same way, before anything is planned, on
+        # host copies made once (the plans below read those: no second copy from the device)
+        shared_kv_indices, unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len = (
+            torch.from_numpy(masks_mod.host_int32(name, t, allow_empty=name != "unique_kv_indptr"))
+            for name, t in (("shared_kv_indices", shared_kv_indices),
+                            ("unique_kv_indptr", unique_kv_indptr),
+                            ("unique_kv_indices", unique_kv_indices),
+                            ("unique_kv_last_page_len", unique_kv_last_page_len)))
+        shared = shared_kv_indices.numpy()
         if len(shared) and shared.min() < 0:
             raise ValueError(f"shared_kv_indices holds a negative page id ({int(shared.min())})")
         shared_pages = len(shared)
@@ -193,8 +200,7 @@ class CascadeDecode(MultiLevelCascade):
             raise ValueError(f"shared_last_page_len={shared_last_page_len!r}: expected an int "
                              f"in 1 .. page_size ({self.page_size})")
         shared_last_page_len = last
-        unique_indptr = masks_mod.host_int32("unique_kv_indptr", unique_kv_indptr)
-        batch = len(unique_indptr) - 1
+        batch = len(unique_kv_indptr) - 1
         check_batch(np.arange(batch + 1, dtype=np.int32), unique_kv_indptr, unique_kv_indices,
                     unique_kv_last_page_len, decode=True, kv_layout=self.plain.kv_layout,
                     page_size=self.page_size, num_qo_heads=num_qo_heads,
@@ -234,11 +240,8 @@ class CascadeDecode(MultiLevelCascade):
 
     def _plan_plain(self, shared, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim,
                     q_dtype, sm_scale) -> None:
-        """Every request's page table: the prefix's pages, then its own."""
-        shared = torch.as_tensor(shared, dtype=torch.int32).cpu()
-        indptr = torch.as_tensor(indptr, dtype=torch.int32).cpu()
-        indices = torch.as_tensor(indices, dtype=torch.int32).cpu()
-        last = torch.as_tensor(last, dtype=torch.int32).cpu()
+        """Every request's page table: the prefix's pages, then its own (host int32 tensors,
+        checked by plan())."""
         batch, n = len(indptr) - 1, len(shared)
         own = torch.diff(indptr)
         tables = [torch.cat([shared, indices[int(indptr[b]):int(indptr[b + 1])]])

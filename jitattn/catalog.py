@@ -35,14 +35,17 @@ def variants_in(module: ModuleType) -> list[Variant]:
     """Variants a file defines: module-level Variant objects, else ``make()`` with defaults;
     where make() needs arguments (tensors its hooks capture, e.g. document ids) and the file
     has ``example(batch, num_qo_heads, num_kv_heads, qo_len, kv_len, device)``, the variant of
-    a small example: a kernel depends on a captured tensor's dtype and rank, not its size or
-    values, so it is the same kernel."""
+    a small example. A kernel depends on a captured tensor's dtype and rank, not its values or
+    (read at run time) its size, so other documents or tables share it; what make() derives
+    from a size as a Python constant is the example's (relative_position_bias: its
+    max_distance of 64). Raises ValueError for a make() that needs arguments without an
+    example()."""
     found = [v for v in vars(module).values() if isinstance(v, Variant)]
     make = getattr(module, "make", None)
     if not found and callable(make):
         required = [p for p in inspect.signature(make).parameters.values()
-                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
-                                                           p.POSITIONAL_OR_KEYWORD)]
+                    if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL,
+                                                               p.VAR_KEYWORD)]
         if not required:
             made = make()
         elif callable(getattr(module, "example", None)):

@@ -45,11 +45,15 @@ def _doctor(args) -> int:
 
 
 def _banner(lang: str) -> str:
-    """The compiler's version line, or why it cannot be run."""
+    """The compiler's version line (nvcc's "release" line, a C++ compiler's first), or why it
+    cannot be run."""
     try:
-        return (build.compiler_fingerprint(lang).splitlines() or [""])[-1]
+        lines = build.compiler_fingerprint(lang).splitlines() or [""]
     except build.CompileError as e:
         return f"cannot be run: {e.message}"
+    if lang == "cuda":
+        return next((line for line in lines if "release" in line), lines[-1])
+    return lines[0].split(": ", 1)[-1]  # (the fingerprint starts with the tool's path)
 
 
 def _where(cache: Cache) -> str:
@@ -79,7 +83,7 @@ def _cache(args) -> int:
 
 def _arch(text: str) -> str:
     """--arch's value: sm_<compute capability>, with an 'a' for arch-specific features."""
-    if not re.fullmatch(r"sm_\d{2,3}a?", text):
+    if not re.fullmatch(r"sm_\d{2,3}[af]?", text):
         raise argparse.ArgumentTypeError(f"{text!r}: expected sm_ and a compute capability, "
                                          f"e.g. sm_90a (Hopper), sm_80, sm_89")
     return text
@@ -97,7 +101,11 @@ def _compile(args) -> int:
     except FileNotFoundError as e:
         print(f"jitattn compile: {e}", file=sys.stderr)
         return 2
-    variants = catalog.variants_in(module)
+    try:
+        variants = catalog.variants_in(module)
+    except (TypeError, ValueError) as e:
+        print(f"jitattn compile: {e}", file=sys.stderr)
+        return 2
     if not variants:
         print(f"{args.variant_file}: defines no Variant and no make()", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """The jitattn command line."""
 
 import shutil
+import subprocess
 
 import pytest
 
@@ -11,6 +12,9 @@ def test_doctor(capsys):
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "ninja:" in out and "cache:" in out and "nvcc:" in out
+    cxx = env.cxx_path()  # its banner's first line (the last is g++'s warranty notice)
+    first = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    assert "      " + first.splitlines()[0] in out.splitlines()
 
 
 def test_compile_cpu_then_ls_then_clear(capsys):
@@ -56,6 +60,16 @@ def test_compile_cuda(capsys):
 def test_compile_missing_file(capsys):
     assert cli.main(["compile", "no/such/variant.py", "--cpu"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_compile_names_a_make_it_cannot_call(tmp_path, capsys):
+    """make() with a required (keyword-only) argument and no example(): an error, exit 2."""
+    path = tmp_path / "needs_table.py"
+    path.write_text("import jitattn as ja\n\n\ndef make(*, table):\n"
+                    "    return ja.Variant('t', score_mod=lambda s, b, h, q, k: s + table[h])\n")
+    assert cli.main(["compile", str(path), "--cpu"]) == 2
+    assert "make() takes arguments (table) and the file has no example()" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arch", ["90", "sm_80 -o /tmp/x", "compute_90", "sm_9"])
