@@ -37,11 +37,18 @@ def variants_dir() -> Path:
     return PACKAGE_DIR / "variants"
 
 
+_ABSOLUTE: dict = {}  # JITATTN_CACHE_DIR values -> absolute paths, as first seen
+
+
 def cache_dir() -> Path:
-    """Root of the kernel cache; not created here (cache.py creates it with mode 0700)."""
+    """Root of the kernel cache; not created here (cache.py creates it with mode 0700). A
+    relative JITATTN_CACHE_DIR is taken from the working directory when the process first reads
+    it (a process that changes directory keeps one cache)."""
     override = os.environ.get("JITATTN_CACHE_DIR")
     if override:
-        return Path(override).expanduser()
+        if override not in _ABSOLUTE:
+            _ABSOLUTE[override] = Path(override).expanduser().absolute()
+        return _ABSOLUTE[override]
     if _from_source_tree():
         return _SOURCE_ROOT / "cache"
     return Path.home() / ".cache" / "jitattn"

@@ -354,3 +354,16 @@ def test_a_compiler_path_that_cannot_be_run_is_named(fresh_cache, monkeypatch, c
         assert "cannot be run" in capsys.readouterr().out
     finally:
         build.compiler_fingerprint.cache_clear()
+
+
+def test_a_relative_cache_dir_stays_where_it_was_first_read(tmp_path, monkeypatch):
+    """A relative JITATTN_CACHE_DIR followed the working directory: a process that changed
+    directory built its kernels again in a second cache."""
+    from jitattn import env
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    monkeypatch.setenv("JITATTN_CACHE_DIR", f"relative-cache-{tmp_path.name}")
+    first = env.cache_dir()
+    monkeypatch.chdir(tmp_path / "b")
+    assert env.cache_dir() == first == tmp_path / "a" / f"relative-cache-{tmp_path.name}"
