@@ -213,9 +213,15 @@ class Cache:
         elif folder.exists():
             shutil.rmtree(folder)
 
+    @staticmethod
+    def _failed(folder: Path) -> bool:
+        """A failed build kept by keep_failed (never has meta.json; an entry of a variant
+        whose name begins with "failed-" does)."""
+        return folder.name.startswith("failed-") and not (folder / "meta.json").exists()
+
     def _entry_folders(self, root: Path) -> list[Path]:
         return sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()
-                      and _ENTRY_NAME.fullmatch(p.name) and not p.name.startswith("failed-"))
+                      and _ENTRY_NAME.fullmatch(p.name) and not self._failed(p))
 
     def entries(self) -> list[dict]:
         """meta.json of every entry, a read-only root's too (unreadable or malformed ones with
@@ -254,7 +260,9 @@ class Cache:
                 except Timeout:
                     pass  # a build in progress
             elif _ENTRY_NAME.fullmatch(p.name):
-                with self.lock(p.name.removeprefix("failed-")):  # (keep_failed holds it)
+                failed = self._failed(p)
+                # (keep_failed runs under the key's lock)
+                with self.lock(p.name.removeprefix("failed-") if failed else p.name):
                     shutil.rmtree(p, ignore_errors=True)
-                n += not p.name.startswith("failed-") and not p.exists()
+                n += not failed and not p.exists()
         return n

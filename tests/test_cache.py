@@ -367,3 +367,16 @@ def test_a_relative_cache_dir_stays_where_it_was_first_read(tmp_path, monkeypatc
     first = env.cache_dir()
     monkeypatch.chdir(tmp_path / "b")
     assert env.cache_dir() == first == tmp_path / "a" / f"relative-cache-{tmp_path.name}"
+
+
+def test_a_variant_named_failed_is_an_entry(fresh_cache):
+    """Failed builds are kept as failed-<key> folders without meta.json; a variant whose name
+    begins with "failed-" is an entry all the same (ls hid it, clear did not count it)."""
+    src = _src(ja.Variant("failed-x", score_mod=ja.soft_cap(20.0)))
+    path, _ = jit.compile_cached(src, None)
+    kept = fresh_cache / f"failed-{jit.cache_key(_src(), None)}"
+    kept.mkdir()
+    (kept / "kernel.cpp").write_text("did not compile")
+    cache = Cache()
+    assert [e["key"] for e in cache.entries()] == [path.parent.name]
+    assert cache.clear() == 1 and not kept.exists() and not path.exists()
