@@ -99,7 +99,10 @@ class Cache:
             self._prepare(self.root)
         except OSError as e:
             readable = not isinstance(e, _Untrusted) and self.root.is_dir() and \
-                os.access(self.root, os.R_OK | os.X_OK) and _trusted_read_only(self.root)
+                os.access(self.root, os.R_OK | os.X_OK)
+            if readable and not _trusted_read_only(self.root):
+                readable, e = False, f"{e}; owned by another user or writable by its group, so " \
+                                     f"not loaded from either"
             if readable:
                 self.read_only = self.root
             self.fallback_reason = (

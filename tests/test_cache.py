@@ -297,6 +297,7 @@ def test_a_read_only_root_serves_its_kernels(fresh_cache, monkeypatch, capsys):
     os.chmod(built.parent, 0o700)
     os.chmod(fresh_cache, 0o770)
     assert Cache().read_only is None
+    assert "owned by another user or writable by its group" in Cache().fallback_reason
     os.chmod(fresh_cache, 0o700)
 
 
