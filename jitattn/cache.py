@@ -108,7 +108,10 @@ class Cache:
             self.fallback_reason = (
                 f"cache directory {self.root} is read-only ({e}): its kernels are loaded, new "
                 f"ones built in a private folder" if readable else
-                f"cache directory {self.root} is not usable ({e})")
+                f"cache directory {self.root} is not usable ({e})" + (
+                    "" if isinstance(e, _Untrusted) or not self.root.is_dir() else
+                    "; a cache prebuilt for other users needs chmod -R a+rX, go-w, and this "
+                    "user or root as its owner"))
             self.root = _fallback_root(self.fallback_reason)
 
     @staticmethod

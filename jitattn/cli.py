@@ -106,6 +106,11 @@ def _compile(args) -> int:
     except (TypeError, ValueError) as e:
         print(f"jitattn compile: {e}", file=sys.stderr)
         return 2
+    cache = Cache()
+    if cache.fallback_reason is not None:  # builds would go to a folder removed at exit
+        print(f"jitattn compile: {cache.fallback_reason}; nothing would be saved",
+              file=sys.stderr)
+        return 1
     if not variants:
         print(f"{args.variant_file}: defines no Variant and no make()", file=sys.stderr)
         return 2

@@ -272,7 +272,7 @@ def test_a_read_only_root_serves_its_kernels(fresh_cache, monkeypatch, capsys):
     """A prebuilt cache in a read-only image: its verified entries load (every process rebuilt
     them in a temporary folder), new kernels are built in a private folder, and clear says it
     cannot remove anything. (Simulated: this suite may run as root, which writes anywhere.)"""
-    from jitattn import cli
+    from jitattn import cli, env
     built, _ = jit.compile_cached(_src(), None)
     real_prepare = Cache._prepare
 
@@ -291,6 +291,10 @@ def test_a_read_only_root_serves_its_kernels(fresh_cache, monkeypatch, capsys):
     assert cli.main(["cache", "clear"]) == 1
     err = capsys.readouterr().err
     assert "is read-only" in err and "; nothing removed" in err and built.exists()
+    # a prebuild would go to the private folder, removed at exit: refused
+    assert cli.main(["compile", str(env.variants_dir() / "softcap.py"), "--cpu", "--head-dim",
+                     "64"]) == 1
+    assert "nothing would be saved" in capsys.readouterr().err
     # whoever else can write there could plant a binary beside its checksum: not loaded
     os.chmod(built.parent, 0o770)
     assert Cache().load(built.parent.name, built.name) is None
@@ -298,6 +302,7 @@ def test_a_read_only_root_serves_its_kernels(fresh_cache, monkeypatch, capsys):
     os.chmod(fresh_cache, 0o770)
     assert Cache().read_only is None
     assert "owned by another user or writable by its group" in Cache().fallback_reason
+    assert "needs chmod -R a+rX, go-w" in Cache().fallback_reason
     os.chmod(fresh_cache, 0o700)
 
 
