@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from . import ops, tune
-from .batch import BatchPrefill, reject_kv_scales, resolve_device
+from .batch import BatchPrefill, reject_run_kwargs, resolve_device
 from .merge import merge_state_in_place
 from .prefix import multi_item_metadata
 from .render import tiles_for
@@ -197,7 +197,9 @@ class SharedPrefixPrefill:
              head_dim: int, *, q_dtype=torch.float16, sm_scale: float | None = None) -> str:
         """Plan a batch: prefix_len P >= 0 tokens shared by len(suffix_lens) >= 1 requests with
         suffixes of suffix_lens[i] >= 1 tokens. sm_scale: as for BatchPrefill.plan (default
-        1 / sqrt(head_dim)). Returns the strategy used."""
+        1 / sqrt(head_dim)). Returns the strategy used. Raises TypeError when prefix_len or an
+        entry of suffix_lens is not an int (bool included), ValueError when prefix_len < 0 or a
+        suffix has no token."""
         self._steps = []  # a failed plan() leaves nothing half-planned behind
         try:
             given = list(suffix_lens)
@@ -208,11 +210,13 @@ class SharedPrefixPrefill:
             raise TypeError(f"suffix_lens={suffix_lens!r}: expected a sequence of ints") \
                 from None
         try:
-            given, prefix_len = prefix_len, operator.index(prefix_len)
+            if isinstance(prefix_len, bool):
+                raise TypeError
+            prefix_len = operator.index(prefix_len)
         except TypeError:
-            raise ValueError(f"prefix_len={prefix_len!r}: expected an int >= 0") from None
-        if prefix_len < 0 or isinstance(given, bool):
-            raise ValueError(f"prefix_len={given!r}: expected an int >= 0")
+            raise TypeError(f"prefix_len={prefix_len!r}: expected an int >= 0") from None
+        if prefix_len < 0:
+            raise ValueError(f"prefix_len={prefix_len}: expected an int >= 0")
         if not suffix_lens or min(suffix_lens) < 1:
             raise ValueError(f"suffix_lens={suffix_lens}: expected at least one request, each "
                              f"with at least one token of its own")
@@ -312,7 +316,7 @@ class SharedPrefixPrefill:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **params) -> torch.Tensor:
         """q, k, v: [P + sum(S_i), heads, head_dim] in the deduplicated layout. Returns the
         attention output in that layout (each request's rows as if it ran on its own)."""
-        reject_kv_scales(self, params)
+        reject_run_kwargs(self, params)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
             return ops.wrapper_traced(self, q, [k, v], params, num_outputs=1)[0]
         if not self._steps:

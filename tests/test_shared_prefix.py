@@ -92,8 +92,12 @@ def test_bad_arguments():
         sp.plan(10, [3, 0], 4, 4, 64)
     with pytest.raises(RuntimeError, match="before plan"):
         sp.run(*_layout(10, [3], 4, 4, 64, torch.float16, 0))
-    with pytest.raises(ValueError, match="prefix_len=True"):
+    with pytest.raises(TypeError, match="prefix_len=True: expected an int >= 0"):
         sp.plan(True, [3], 4, 4, 64)
+    with pytest.raises(TypeError, match="prefix_len=2.5: expected an int >= 0"):
+        sp.plan(2.5, [3], 4, 4, 64)
+    with pytest.raises(ValueError, match="prefix_len=-1: expected an int >= 0"):
+        sp.plan(-1, [3], 4, 4, 64)
     with pytest.raises(TypeError, match=r"suffix_lens=\[2.0\]: expected a sequence of ints"):
         sp.plan(10, [2.0], 4, 4, 64)
     with pytest.raises(TypeError, match=r"suffix_lens=\[True\]"):
