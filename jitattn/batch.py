@@ -320,15 +320,17 @@ class BatchPrefill:
                         k_scale=k_scale, v_scale=v_scale, **params)
 
 
-def reject_kv_scales(wrapper, params: dict) -> None:
-    """Cascades and shared-prefix prefill plan caches in q's dtype: their run() takes no
-    k_scale / v_scale (which BatchPrefill.run would otherwise apply from their **params)."""
+def reject_run_kwargs(wrapper, params: dict) -> None:
+    """Cascades and shared-prefix prefill plan caches in q's dtype and return new tensors: their
+    run() takes no k_scale / v_scale (which BatchPrefill.run would otherwise apply from their
+    **params) and no out / lse buffers. Raises ValueError naming the keyword."""
     if not params:
         return
-    for name in ("k_scale", "v_scale"):
+    for name in ("k_scale", "v_scale", "out", "lse"):
         if name in params and name not in wrapper.variant.runtime_param_names:
-            raise ValueError(f"{type(wrapper).__name__}.run() takes no {name}: fp8 KV caches "
-                             f"and their scales are BatchPrefill's and BatchDecode's")
+            why = "fp8 KV caches and their scales are BatchPrefill's and BatchDecode's" \
+                if name.endswith("scale") else "it returns new tensors"
+            raise ValueError(f"{type(wrapper).__name__}.run() takes no {name}: {why}")
 
 
 def _cache_tensors(kv_cache) -> list:

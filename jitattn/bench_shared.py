@@ -105,7 +105,10 @@ def cascade_decode(quick: bool, device: str) -> list[dict]:
         # eager calls in alternating rounds (host launch work included: a host's drift hits
         # every strategy alike) and, on the GPU, the same calls replayed from a CUDA graph
         # (GPU time only)
-        modes = [("", lambda fns: timed_rounds(fns, reps=max(1, reps // 3), device=device))]
+        # (15 rounds: the host's speed drifts between rounds by more than the gap measured at
+        # b16 / 1024, where auto runs plain's launch)
+        modes = [("", lambda fns: timed_rounds(fns, rounds=1 if quick else 15,
+                                               reps=max(1, reps // 3), device=device))]
         if device != "cpu":
             modes.append((" [CUDA graph]", lambda fns: {
                 label: timed_graph(fn, reps=reps // 2 or 1) for label, fn in fns.items()}))

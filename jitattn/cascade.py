@@ -21,7 +21,7 @@ import torch
 
 from . import masks as masks_mod
 from . import ops
-from .batch import BatchDecode, BatchPrefill, _cache_tensors, reject_kv_scales, resolve_device
+from .batch import BatchDecode, BatchPrefill, _cache_tensors, reject_run_kwargs, resolve_device
 from .batch_inputs import check_batch
 from .merge import merge_states
 from .shared_prefix import check_strategy
@@ -94,7 +94,7 @@ class MultiLevelCascade:
         level covers get out 0, lse -inf. Each level writes its state into one slab of a
         [levels, total_q, ...] buffer (consecutive rows in place, without copies), and one
         merge combines the slabs."""
-        reject_kv_scales(self, params)
+        reject_run_kwargs(self, params)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
             o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2)
             return (o, s) if return_lse else o
@@ -165,6 +165,7 @@ class CascadeDecode(MultiLevelCascade):
         self.plain = BatchDecode(variant, page_size=page_size, kv_layout=kv_layout,
                                  device=device, **capacities)
         self.strategy, self.chosen = strategy, None
+        self._plain_run = None  # self.plain.run while the plan's choice is plain
 
     def choose(self, batch: int, prefix_len: int, num_kv_heads: int, head_dim: int,
                itemsize: int = 2) -> str:
@@ -178,7 +179,7 @@ class CascadeDecode(MultiLevelCascade):
         """shared_kv_indices: the prefix's pages (int32); shared_last_page_len: tokens on its
         last page. unique_*: each request's own pages, as for BatchDecode.plan. Returns the
         strategy used ("cascade" or "plain")."""
-        self._rows, self.chosen = None, None
+        self._rows, self.chosen, self._plain_run = None, None, None
         # both strategies check every argument the same way, before anything is planned, on
         # host copies made once (the plans below read those: no second copy from the device)
         shared_kv_indices, unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len = (
@@ -236,6 +237,7 @@ class CascadeDecode(MultiLevelCascade):
                                 sm_scale=sm_scale)
         self._set_rows([self._level_rows(0, batch, None), self._level_rows(1, batch, None)])
         self.chosen, self._q_shape = strategy, (batch, num_qo_heads, head_dim)
+        self._plain_run = self.plain.run if strategy == "plain" else None
         return strategy
 
     def _plan_plain(self, shared, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim,
@@ -256,12 +258,15 @@ class CascadeDecode(MultiLevelCascade):
     def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False, **params):
         """Attention of q [batch, heads, head_dim] over the shared prefix and each request's
         own pages (see MultiLevelCascade.run)."""
-        if self.chosen == "plain" and not torch.compiler.is_compiling():
-            # auto's plain choice: as little host work as possible on top of plain decode's
-            # (the issue asks for auto never slower than plain; eager b16 is host-bound)
+        plain_run = self._plain_run
+        if plain_run is not None:
+            # the plain choice: as little host work as possible on top of plain decode's (auto
+            # must never be slower than plain; eager decode of a small batch is host-bound).
+            # Under torch.compile this traces plain's run(): one opaque op on self.plain.
             if params:
-                reject_kv_scales(self, params)
-            return self.plain.run(q, kv_cache, return_lse=return_lse, **params)
+                reject_run_kwargs(self, params)
+                return plain_run(q, kv_cache, return_lse=return_lse, **params)
+            return plain_run(q, kv_cache, return_lse=return_lse)
         if self.chosen is not None and isinstance(q, torch.Tensor) and \
                 q.shape[0] != self._q_shape[0]:  # (the levels accept rows beyond the plan's)
             raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects {self._q_shape}")

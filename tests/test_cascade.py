@@ -167,6 +167,33 @@ def test_auto_takes_plain_decode_when_the_prefix_is_short():
                          device="cpu").plan(*partial)
 
 
+def test_auto_follows_its_latest_choice_and_refuses_output_buffers():
+    """A plan that switches auto from plain to the cascade (and back) runs the new choice;
+    out / lse buffers are refused whichever it took (run() returns new tensors)."""
+    gen = torch.Generator().manual_seed(5)
+    page_size, hq, hkv, d = 4, 8, 2, 64
+    variant = ja.Variant("causal", mask="causal")
+    cache = tuple(torch.randn(30, page_size, hkv, d, generator=gen).half() for _ in range(2))
+    q = torch.randn(3, hq, d, generator=gen).half()
+    i32 = dict(dtype=torch.int32)
+    aligned = (torch.tensor([0, 1, 2], **i32), 4, torch.tensor([0, 2, 2, 5], **i32),
+               torch.tensor([3, 4, 5, 6, 7], **i32), torch.tensor([2, 0, 1], **i32), hq, hkv, d)
+    partial = (aligned[0], 3) + aligned[2:]  # ends inside a page: the cascade
+    auto = ja.CascadeDecode(variant, page_size=page_size, device="cpu")
+    for args, chosen in ((aligned, "plain"), (partial, "cascade"), (aligned, "plain")):
+        assert auto.plan(*args) == chosen
+        fixed = ja.CascadeDecode(variant, page_size=page_size, strategy=chosen, device="cpu")
+        fixed.plan(*args)
+        torch.testing.assert_close(auto.run(q, cache), fixed.run(q, cache), rtol=0, atol=0)
+        for name in ("out", "lse"):
+            with pytest.raises(ValueError, match=f"CascadeDecode.run\\(\\) takes no {name}: "
+                                                 "it returns new tensors"):
+                auto.run(q, cache, **{name: torch.empty(0)})
+    shared = ja.SharedPrefixPrefill(variant, device="cpu")
+    with pytest.raises(ValueError, match="SharedPrefixPrefill.run\\(\\) takes no out"):
+        shared.run(q, q, q, out=torch.empty_like(q))
+
+
 def test_auto_keeps_the_cascade_when_plain_tables_would_not_fit():
     """Plain decode repeats the prefix's pages in every request's table; with a page capacity
     sized for the cache, "auto" stays on the cascade instead of failing."""
