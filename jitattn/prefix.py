@@ -10,18 +10,61 @@ of requests, the longest block prefix they all share. See docs/sources.md, scena
 from __future__ import annotations
 
 import hashlib
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+import torch
+
+
+def _block_size(block_size) -> int:
+    """block_size as an int >= 1; raises TypeError / ValueError naming it."""
+    try:
+        if isinstance(block_size, (bool, np.bool_)):
+            raise TypeError
+        size = operator.index(block_size)
+    except TypeError:
+        raise TypeError(f"block_size={block_size!r}: expected an int >= 1") from None
+    if size < 1:
+        raise ValueError(f"block_size={block_size}: expected an int >= 1")
+    return size
+
+
+def _token_array(tokens, name: str = "tokens") -> np.ndarray:
+    """One request's token ids as a 1-D int64 array: a sequence of ints, or a 1-D integer numpy
+    array or torch tensor (read at once, not element by element). Raises TypeError / ValueError
+    naming ``name`` for anything else (floats, bools, strings, other ranks, ids beyond int64),
+    which would otherwise be truncated or flattened into a different request."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or \
+                tokens.dtype == torch.bool:
+            raise TypeError(f"{name} is a {tokens.dtype} tensor; expected integer token ids")
+        tokens = tokens.detach().cpu().numpy()
+    elif isinstance(tokens, (str, bytes)):
+        raise TypeError(f"{name} is a {type(tokens).__name__}; expected token ids (a tokenizer's "
+                        f"output), not text")
+    try:
+        arr = np.asarray(tokens)
+    except (OverflowError, ValueError) as e:  # ragged nesting
+        raise ValueError(f"{name}: expected a 1-D sequence of token ids ({e})") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{name} has shape {arr.shape}; expected a 1-D sequence of token ids")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu" or (arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max):
+        first = arr[0].item() if isinstance(arr[0], np.generic) else arr[0]
+        raise TypeError(f"{name} holds {arr.dtype} values (first {first!r}); expected integer "
+                        f"token ids that fit int64")
+    return arr.astype(np.int64, copy=False)
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
     """Chained sha256 of every full block: h_i = H(h_{i-1} || tokens[i*B:(i+1)*B]).
-    A trailing partial block has no hash (it cannot be shared as a whole page)."""
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size}: expected >= 1")
-    arr = np.asarray(tokens, dtype=np.int64)
+    A trailing partial block has no hash (it cannot be shared as a whole page). tokens: see
+    _token_array. Raises TypeError / ValueError for bad tokens or block_size."""
+    block_size = _block_size(block_size)
+    arr = _token_array(tokens)
     out, prev = [], b""
     for i in range(len(arr) // block_size):
         prev = hashlib.sha256(prev + arr[i * block_size:(i + 1) * block_size].tobytes()).digest()
@@ -52,9 +95,7 @@ class PrefixTrie:
     """
 
     def __init__(self, block_size: int):
-        if block_size < 1:
-            raise ValueError(f"block_size={block_size}: expected >= 1")
-        self.block_size = block_size
+        self.block_size = _block_size(block_size)
         self.root = _Node()
         self._count = 0
 
@@ -86,7 +127,12 @@ class PrefixTrie:
         (members - 1)): keep the members together at this depth, or let the branches go
         deeper apart, in which case the members the branches leave alone are grouped at this
         depth. Groups smaller than ``min_members`` get prefix_len 0. Deterministic: groups
-        ordered by their first member. Iterative, so deep tries of many branches are fine."""
+        ordered by their first member. Iterative, so deep tries of many branches are fine.
+        The choice is made once per branch point, bottom up: every group's prefix is one its
+        members share, but a batch can have a partition that saves more (find_shared_prefixes
+        of [[0,1,0,1,1,0], [0,1,0,0], [0,1,1,0,0,0], [0,0,0,0], [0,1,0,1]] at block_size 1
+        gives {0,1,2,4} at 2 tokens and {3}: 6 saved, where {0,1,4} at 3 and {2,3} at 1 save
+        7)."""
         # branch points (chains of single children are walked, not stacked), post-order
         best = {}  # id(node) -> (saving, groups)
         stack = [(self.root, 0, False)]
@@ -144,8 +190,8 @@ def find_shared_prefixes(requests: Sequence[Sequence[int]], block_size: int,
     <= min(len) - 1 rounded down to a block. Returns PrefixGroups covering every request once.
     """
     trie = PrefixTrie(block_size)
-    for tokens in requests:
-        trie.insert(list(tokens)[:-1])  # the last token is never shared
+    for i, tokens in enumerate(requests):
+        trie.insert(_token_array(tokens, f"requests[{i}]")[:-1])  # the last is never shared
     return trie.groups(min_members)
 
 

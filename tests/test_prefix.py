@@ -85,3 +85,34 @@ def test_exact_block_multiples_and_many_branches():
     staircase = [list(range(4 * (i + 1) + 1)) for i in range(1500)]  # each one block longer
     groups = find_shared_prefixes(staircase, 4)
     assert sorted(m for g in groups for m in g.members) == list(range(1500))
+
+
+def test_token_ids_are_checked_not_truncated():
+    """Float ids were truncated (1.5 and 1 matched), a 2-D request flattened, text split into
+    characters; each is refused by name. Integer tensors and arrays give the list's groups."""
+    import numpy as np
+    import torch
+    same = list(range(40))
+    for bad, error, text in (([1.5] * 40, TypeError, r"requests\[0\] holds float64 values "
+                                                      r"\(first 1.5\)"),
+                             (torch.arange(40).view(2, 20), ValueError,
+                              r"requests\[0\] has shape \(2, 20\); expected a 1-D"),
+                             ("some text", TypeError, r"requests\[0\] is a str"),
+                             ([2**64] * 20, TypeError, r"requests\[0\] holds object values"),
+                             (torch.ones(40, dtype=torch.bool), TypeError,
+                              r"requests\[0\] is a torch.bool tensor"),
+                             (np.array([2**63 + 5] * 20, dtype=np.uint64), TypeError,
+                              "fit int64")):
+        with pytest.raises(error, match=text):
+            find_shared_prefixes([bad, same], 16)
+    want = find_shared_prefixes([same, same + [1], same[:20]], 16)
+    assert want == [PrefixGroup(16, (0, 1, 2))]  # (a tie with {0, 1} at 32: together)
+    for convert in (np.array, torch.tensor, lambda x: torch.tensor(x, dtype=torch.int32)):
+        assert find_shared_prefixes([convert(same), convert(same + [1]), convert(same[:20])],
+                                    16) == want
+    assert find_shared_prefixes([[], same], 16) == [PrefixGroup(0, (0,)), PrefixGroup(0, (1,))]
+    for block_size in (16.0, "16", True):
+        with pytest.raises(TypeError, match=f"block_size={block_size!r}: expected an int >= 1"):
+            find_shared_prefixes([same, same], block_size)
+    with pytest.raises(ValueError, match="block_size=0: expected an int >= 1"):
+        PrefixTrie(0)
