@@ -62,11 +62,19 @@ class MultiLevelCascade:
                           ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
             if not isinstance(arg, (list, tuple)) or len(arg) != n:
                 raise ValueError(f"{name} must be a list of {n} tensors (one per level)")
+        if q_rows is not None and (not isinstance(q_rows, (list, tuple)) or len(q_rows) != n):
+            raise ValueError(f"q_rows must be a list of {n} entries (one per level: int rows of "
+                             f"q, or None), got {type(q_rows).__name__}"
+                             + (f" of {len(q_rows)}" if isinstance(q_rows, (list, tuple)) else ""))
         self._rows = None
         rows = []
         for i, level in enumerate(self.levels):
-            level.plan(qo_indptr[i], kv_indptr[i], kv_indices[i], kv_last_page_len[i],
-                       num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, sm_scale=sm_scale)
+            try:
+                level.plan(qo_indptr[i], kv_indptr[i], kv_indices[i], kv_last_page_len[i],
+                           num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
+                           sm_scale=sm_scale)
+            except (TypeError, ValueError) as e:  # the level's arguments are entry i of ours
+                raise type(e)(f"level {i}: {e}") from None
             rows.append(self._level_rows(i, int(qo_indptr[i][-1]), q_rows))
         self._set_rows(rows)
 
@@ -75,7 +83,14 @@ class MultiLevelCascade:
         0 .. total - 1), else a device tensor of distinct rows >= 0."""
         if q_rows is None or q_rows[i] is None:
             return slice(0, total)
-        r = torch.as_tensor(q_rows[i], dtype=torch.long).cpu()
+        try:
+            r = torch.as_tensor(q_rows[i])
+        except (TypeError, ValueError, RuntimeError):
+            r = None
+        if r is None or r.dtype.is_floating_point or r.dtype.is_complex or r.dtype == torch.bool:
+            raise TypeError(f"q_rows[{i}] must hold integer rows of q, got "
+                            f"{r.dtype if r is not None else type(q_rows[i]).__name__} values")
+        r = r.to(device="cpu", dtype=torch.long)
         if r.dim() != 1 or r.numel() != total:
             raise ValueError(f"q_rows[{i}] has shape {tuple(r.shape)}; level {i} plans {total}")
         if total and (r.min() < 0 or len(torch.unique(r)) != total):
@@ -99,7 +114,10 @@ class MultiLevelCascade:
             o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2)
             return (o, s) if return_lse else o
         if self._rows is None:
-            raise RuntimeError(f"{type(self).__name__}.run() called before plan()")
+            raise RuntimeError(f"{type(self).__name__}.run() called before plan() (or after a "
+                               f"plan() that raised)")
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
         if q.shape[0] < self._min_rows:
             raise ValueError(f"q has {q.shape[0]} rows; the plan uses rows up to "
                              f"{self._min_rows - 1}")

@@ -106,6 +106,24 @@ def test_level_rows_are_checked():
     cache = tuple(torch.randn(2, 4, 4, 64).half() for _ in range(2))
     with pytest.raises(ValueError, match="uses rows up to 3"):
         levels.run(torch.randn(2, 4, 64).half(), cache)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):
+        levels.run([[0.0]], cache)
+    # fractional rows were truncated to other rows; a short list raised IndexError
+    for q_rows, error, text in (([[0.2, 1.7], None], TypeError,
+                                 r"q_rows\[0\] must hold integer rows of q, got torch.float32"),
+                                (["ab", None], TypeError, r"q_rows\[0\] must hold integer rows"),
+                                ([None], ValueError, "q_rows must be a list of 2 entries .* "
+                                                     "got list of 1"),
+                                (torch.tensor([0, 1]), ValueError, "got Tensor")):
+        with pytest.raises(error, match=text):
+            levels.plan(*args, q_rows=q_rows)
+    bad = (args[0], args[1], args[2], [torch.tensor([4], **i32), torch.tensor([9], **i32)]) + \
+        args[4:]
+    with pytest.raises(ValueError, match=r"level 1: kv_last_page_len\[0\] is 9"):
+        levels.plan(*bad)
+    with pytest.raises(RuntimeError, match="before plan\\(\\) \\(or after a plan\\(\\) that "
+                                           "raised\\)"):
+        levels.run(torch.randn(4, 4, 64).half(), cache)
     with pytest.raises(ValueError, match="mask"):
         ja.MultiLevelCascade(ja.Variant("m", mask="custom"), 2, device="cpu")
 
