@@ -22,7 +22,7 @@ import torch
 
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
-from .batch_inputs import check_batch
+from .batch_inputs import check_batch, int_arg
 from .plan import Plan, make_plan
 from .render import QUERY_TILES, query_kind, tiles_for
 from .run_inputs import RunInputs, split_cache
@@ -81,8 +81,7 @@ class BatchPrefill:
                  split_kv: bool = True, query_tile: str = "auto"):
         if not isinstance(variant, Variant):
             raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size={page_size!r}: expected an int >= 1")
+        page_size = int_arg("page_size", page_size)
         if kv_layout not in LAYOUTS:
             raise ValueError(f"kv_layout={kv_layout!r}: expected one of {LAYOUTS}")
         if query_tile not in QUERY_TILES:
@@ -94,9 +93,10 @@ class BatchPrefill:
         self.device = resolve_device(device)
         self._handle = ops.register_wrapper(self)  # torch.compile: the op finds us by it
         self.split_kv = split_kv
-        self.capacity = dict(max_batch_size=max_batch_size, max_num_pages=max_num_pages,
-                             max_work_items=max_work_items, max_partial_rows=max_partial_rows,
-                             max_mask_bytes=max_mask_bytes, max_item_tokens=max_item_tokens)
+        self.capacity = {name: int_arg(name, value) for name, value in (
+            ("max_batch_size", max_batch_size), ("max_num_pages", max_num_pages),
+            ("max_work_items", max_work_items), ("max_partial_rows", max_partial_rows),
+            ("max_mask_bytes", max_mask_bytes), ("max_item_tokens", max_item_tokens))}
         self._plan: Plan | None = None
         self._ws: Workspace | None = None
         self._planned: dict = {}
@@ -153,6 +153,8 @@ class BatchPrefill:
                              shared_prefix_start=shared[0], shared_prefix_len=shared[1])
         kv, indices, kv_dtype = inputs.kv, inputs.indices, inputs.kv_dtype
         qo_lens, kv_lens, batch = inputs.qo_lens, inputs.kv_lens, inputs.batch
+        # (checked: ints, perhaps numpy's)
+        num_qo_heads, num_kv_heads, head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
         max_qo, max_kv = int(qo_lens.max(initial=0)), int(kv_lens.max(initial=0))
         ragged = self.kv_layout == "ragged"
         cap = self.capacity

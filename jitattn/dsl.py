@@ -36,14 +36,16 @@ class SpecError(ValueError):
 
 SYMBOLS = ("score", "b", "h", "q_idx", "kv_idx")
 SHAPE_SYMBOLS = ("batch_size", "num_qo_heads", "num_kv_heads", "qo_len", "kv_len")
-_IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,47}$")
-# names taken by attention()'s own keywords; generated C++ identifiers are prefixed (c_name)
+_IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,47}")  # (fullmatch: "$" takes a final newline)
+# names taken by the keywords of attention() and the wrappers' run(); generated C++ identifiers
+# are prefixed (c_name)
 _RESERVED = set(SYMBOLS) | {"q", "k", "v", "out", "lse", "sm_scale", "return_lse", "qo_indptr",
-                            "kv_indptr", "variant", "mask_data"}
+                            "kv_indptr", "variant", "mask_data", "kv_cache", "k_scale", "v_scale",
+                            "self"}
 
 
 def _check_name(name: str, what: str) -> None:
-    if not isinstance(name, str) or not _IDENT.match(name) or name in _RESERVED:
+    if not isinstance(name, str) or not _IDENT.fullmatch(name) or name in _RESERVED:
         raise SpecError(f"{what} name {name!r} must be an identifier ([A-Za-z][A-Za-z0-9_]*, "
                         f"at most 48 characters) and not one of {sorted(_RESERVED)}")
 

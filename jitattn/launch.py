@@ -9,9 +9,11 @@ strides (NHD and HND differ only in strides).
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import dtypes, jit, load, render
@@ -30,7 +32,7 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     the maximum of the scaled scores must be the scaled maximum)."""
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or \
+    if isinstance(sm_scale, (bool, np.bool_)) or not isinstance(sm_scale, numbers.Real) or \
             not positive_f32(float(sm_scale)):
         raise ValueError(f"sm_scale={sm_scale!r}: expected a finite number > 0 (as float32)")
     return float(sm_scale)

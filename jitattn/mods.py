@@ -15,8 +15,8 @@ def soft_cap(cap: float, approx: bool = False):
     cap: a Python float (compiled in) or a ``ja.scalar`` (runtime). approx: on the GPU, tanh on
     the hardware approximation (``ja.tanh(x, approx=True)``: faster, scores off by up to about
     cap * 2^-11); by default off by at most cap * 5e-7 (``ja.tanh``)."""
-    if isinstance(cap, (int, float)) and not cap > 0:
-        raise dsl.SpecError(f"soft_cap: cap={cap!r} must be > 0")
+    if isinstance(cap, (int, float)) and not 0 < cap < math.inf:
+        raise dsl.SpecError(f"soft_cap: cap={cap!r} must be finite and > 0")
 
     def softcap(score, b, h, q_idx, kv_idx):
         return cap * dsl.tanh(score / cap, approx=approx)

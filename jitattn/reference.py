@@ -105,7 +105,7 @@ def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_s
             o, total = torch.einsum("hqk,khd->qhd", p, vi), p.sum(-1).T
             lse[qo[b]:qo[b + 1]] = torch.where(total > 0, total.log(), -math.inf)
         else:
-            visible &= s > -math.inf  # a score_mod may mask by returning -inf
+            visible &= s != -math.inf  # a score_mod may mask by returning -inf (NaN stays)
             s = torch.where(visible, s, -math.inf)
             m = s.amax(-1, keepdim=True)
             any_visible = visible.any(-1, keepdim=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Literal
@@ -21,12 +22,14 @@ import torch
 from . import dsl
 from .dsl import ScalarParam, SpecError, TensorParam
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 MASKS = ("none", "causal", "custom", "multi_item")
 #: Called with every new Variant (ops.py registers torch custom ops here, so that nothing has
 #: to be registered while torch.compile traces).
 ON_CREATE: list = []
 REDUCTIONS = ("softmax", "sigmoid")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # (fullmatch: "$" takes a final newline)
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,10 @@ class Variant:
         the prefix and, causally, only their own item; metadata given to BatchPrefill.plan).
     window_left: sliding window, keys with q_idx - kv_idx > window_left are hidden; None or -1
         means unlimited. Inclusive: window_left=0 keeps only the diagonal.
-    score_mod: ``f(score, b, h, q_idx, kv_idx) -> float``; score is q.k * sm_scale.
+    score_mod: ``f(score, b, h, q_idx, kv_idx) -> float``; score is q.k * sm_scale. Returning
+        -inf hides the key. A NaN or +inf score (in float32: e.g. log of a negative score, an
+        exp that overflows) makes its row's output NaN, as in torch, and that row's lse is then
+        meaningless (NaN or -inf).
     mask_mod: ``f(b, h, q_idx, kv_idx) -> bool``; False hides the key (ANDed with mask/window).
     pos_encoding: :class:`RoPE` applied to q and k on load, or None.
     reduction: ``"softmax"``, or ``"sigmoid"``: out = sum_j sigmoid(s_j) v_j, unnormalised;
@@ -125,7 +131,7 @@ class Variant:
     _direct_index: tuple = field(init=False, repr=False, default=())
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise SpecError(f"Variant name={self.name!r}: expected [A-Za-z0-9][A-Za-z0-9_.-]*, "
                             f"at most 64 characters")
         if self.mask not in MASKS:
@@ -138,14 +144,19 @@ class Variant:
         object.__setattr__(self, "window_left", None if w == -1 else w)
         if self.pos_encoding is not None and not isinstance(self.pos_encoding, RoPE):
             raise SpecError(f"Variant pos_encoding={self.pos_encoding!r}: expected ja.RoPE(...)")
-        score = dsl.trace(self.score_mod, "score_mod") if self.score_mod is not None else None
-        mask = dsl.trace(self.mask_mod, "mask_mod") if self.mask_mod is not None else None
-        object.__setattr__(self, "_score", score)
-        object.__setattr__(self, "_mask", mask)
-        exprs = [t.expr for t in (score, mask) if t is not None]
-        object.__setattr__(self, "_params", tuple(dsl.params_of(*exprs)))
-        object.__setattr__(self, "_key", self._compute_key())
-        object.__setattr__(self, "_direct_index", tuple(_direct_indices(*exprs)))
+        try:  # (the walks over the traced expressions recurse once per operation)
+            score = dsl.trace(self.score_mod, "score_mod") if self.score_mod is not None else None
+            mask = dsl.trace(self.mask_mod, "mask_mod") if self.mask_mod is not None else None
+            object.__setattr__(self, "_score", score)
+            object.__setattr__(self, "_mask", mask)
+            exprs = [t.expr for t in (score, mask) if t is not None]
+            object.__setattr__(self, "_params", tuple(dsl.params_of(*exprs)))
+            object.__setattr__(self, "_key", self._compute_key())
+            object.__setattr__(self, "_direct_index", tuple(_direct_indices(*exprs)))
+        except RecursionError:
+            raise SpecError(f"Variant {self.name!r}: score_mod / mask_mod expression too deeply "
+                            f"nested (hundreds of chained operations); build sums of many "
+                            f"terms from a ja.tensor table instead") from None
         for hook in ON_CREATE:  # e.g. ops.py registers the variant's torch custom op
             hook(self)
 
@@ -220,12 +231,18 @@ class Variant:
                 val = params[p.name]
                 if isinstance(val, torch.Tensor) and val.numel() == 1:
                     val = val.item()
-                if isinstance(val, bool) or not isinstance(val, (int, float)):
+                if isinstance(val, (bool, np.bool_)) or not isinstance(val, numbers.Real):
                     raise TypeError(f"parameter {p.name!r} must be a Python number, got "
                                     f"{type(val).__name__}")
-                if math.isnan(val):
-                    raise ValueError(f"parameter {p.name!r} is NaN")
-                bound[p.name] = float(val)
+                try:  # the kernels take float32: a larger value would become inf there
+                    val = float(val)
+                    finite = abs(val) <= _FLOAT32_MAX
+                except OverflowError:
+                    finite = False
+                if not finite:
+                    raise ValueError(f"parameter {p.name!r} is {params[p.name]!r}; expected a "
+                                     f"finite number that float32 holds (|x| <= 3.4e38)")
+                bound[p.name] = val
                 continue
             t = p.captured if p.captured is not None else params[p.name]
             what = "captured tensor" if p.captured is not None else "parameter"

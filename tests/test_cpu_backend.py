@@ -103,6 +103,18 @@ def test_score_mod_returning_minus_inf_masks_like_flexattention():
     assert (out == 0).all() and (lse == -math.inf).all()
 
 
+def test_a_nan_score_makes_its_row_nan_in_the_kernel_and_the_reference():
+    """log of a negative score is NaN: the row's output is NaN, as in torch (the reference
+    used to hide NaN scores like -inf ones and return a finite row)."""
+    from jitattn import reference
+    variant = ja.Variant("log_score", mask="none", score_mod=lambda s, b, h, qi, ki: ja.log(s))
+    q, k, v, _, _ = make_batch([3], [4], 2, 2, 64, torch.float16, "cpu", seed=5)
+    negative = (torch.einsum("qhd,khd->hqk", q.float(), k.float()) < 0).any(-1).T  # [q, h]
+    assert negative.any()
+    for out in (ja.attention(q, k, v, variant), reference.attention(q, k, v, variant)):
+        nan = out.isnan()
+        assert torch.equal(nan.all(-1), negative) and not nan.any(-1)[~negative].any()
+
 def test_strided_indptr_view_is_read_correctly():
     variant = ja.Variant("plain", mask="causal")
     q, k, v, qo, kv = make_batch([3, 5], [4, 6], 4, 4, 64, torch.float16, "cpu", seed=9)

@@ -176,3 +176,19 @@ def test_tanh_approx_is_its_own_op_and_exact_on_the_cpu():
     assert exact.key != approx.key and "ja_tanh_approx" in approx.score.cpp
     q, k, v = (torch.randn(9, 2, 64, dtype=torch.float16) for _ in range(3))
     torch.testing.assert_close(ja.attention(q, k, v, approx), ja.attention(q, k, v, exact))
+
+
+def test_deep_expressions_are_a_spec_error():
+    """600 chained additions passed tracing and then hit Python's recursion limit in the walks
+    over the expression (a raw RecursionError); 100 are fine."""
+    bias = torch.randn(64)
+
+    def chain(n):
+        def score_mod(s, b, h, q_idx, kv_idx):
+            for i in range(n):
+                s = s + bias[(kv_idx + i) % 64]
+            return s
+        return score_mod
+    ja.Variant("chain", score_mod=chain(100))
+    with pytest.raises(SpecError, match="expression too deeply nested"):
+        ja.Variant("chain", score_mod=chain(1500))

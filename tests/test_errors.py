@@ -164,3 +164,28 @@ def test_lse_needs_only_float_alignment():
     out, got = ja.attention(q, k, v, V, lse=lse, return_lse=True)
     assert got.data_ptr() == lse.data_ptr() and torch.equal(got, want_lse)
     assert torch.equal(out, want_out)
+
+
+def test_numpy_numbers_are_numbers_and_counts_are_checked_up_front():
+    """numpy ints / floats were refused with a wrong reason ("expected an int >= 1", "expected
+    a finite number > 0"); head_dim=64.0 passed plan() and failed inside run(); capacities were
+    not checked until plan() (or never: max_batch_size=-1)."""
+    import numpy as np
+    i32 = dict(dtype=torch.int32)
+    variant = ja.Variant("c", mask="causal")
+    args = (torch.tensor([0, 2, 4], **i32), torch.arange(4, **i32), torch.tensor([5, 16], **i32))
+    cache = tuple(torch.randn(4, 16, 2, 64).half() for _ in range(2))
+    q = torch.randn(2, 8, 64).half()
+    w = ja.BatchDecode(variant, page_size=np.int64(16), device="cpu")
+    w.plan(*args, np.int64(8), np.int32(2), np.int64(64), sm_scale=np.float32(0.125))
+    ref = ja.BatchDecode(variant, page_size=16, device="cpu")
+    ref.plan(*args, 8, 2, 64, sm_scale=0.125)
+    torch.testing.assert_close(w.run(q, cache), ref.run(q, cache), rtol=0, atol=0)
+    k = torch.randn(3, 2, 64).half()
+    torch.testing.assert_close(ja.attention(q, k, k, variant, sm_scale=np.float32(0.5)),
+                               ja.attention(q, k, k, variant, sm_scale=0.5), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"head_dim=64.0: expected an int, one of"):
+        w.plan(*args, 8, 2, 64.0)
+    for name, value in (("max_num_pages", "x"), ("max_batch_size", -1), ("page_size", 16.0)):
+        with pytest.raises(ValueError, match=f"{name}={value!r}: expected an int >= 1"):
+            ja.BatchDecode(variant, device="cpu", **{name: value})

@@ -1,5 +1,7 @@
 """Variant validation, keys and parameter binding."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -90,11 +92,22 @@ def test_alibi_slopes_non_power_of_two():
     assert torch.equal(s12[:8], s8) and len(set(s12.tolist())) == 12
 
 
-def test_nan_scalar_and_empty_tensor_are_rejected():
+def test_scalars_float32_cannot_hold_and_empty_tensors_are_rejected():
+    """A runtime scalar must be a finite float32 (1e39 or inf became inf in the kernels and the
+    output NaN); numpy numbers are numbers."""
     cap = ja.scalar("cap")
     v = ja.Variant("cap", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
-    with pytest.raises(ValueError, match="NaN"):
-        v.bind({"cap": float("nan")}, device=torch.device("cpu"), sizes=SIZES)
+    cpu = torch.device("cpu")
+    for bad in (float("nan"), float("inf"), -1e39, 10**400, np.float64(1e39)):
+        with pytest.raises(ValueError, match=r"parameter 'cap' is .*; expected a finite number "
+                                             r"that float32 holds"):
+            v.bind({"cap": bad}, device=cpu, sizes=SIZES)
+    for good in (3.0e38, np.float32(0.5), np.int64(30), torch.tensor(2.0)):
+        assert v.bind({"cap": good}, device=cpu, sizes=SIZES) == {"cap": float(good)}
+    with pytest.raises(TypeError, match="parameter 'cap' must be a Python number, got bool"):
+        v.bind({"cap": np.bool_(True)}, device=cpu, sizes=SIZES)
+    with pytest.raises(SpecError, match=r"soft_cap: cap=inf must be finite and > 0"):
+        ja.soft_cap(float("inf"))
     table = ja.tensor("table", ("kv_len",), "float32")
     w = ja.Variant("t", score_mod=lambda s, b, h, q, k: s + table[k])
     with pytest.raises(ValueError, match="empty dimension"):
@@ -103,5 +116,13 @@ def test_nan_scalar_and_empty_tensor_are_rejected():
 
 
 def test_param_names_reserved_for_attention_keywords():
-    with pytest.raises(SpecError, match="sm_scale"):
-        ja.scalar("sm_scale")
+    """attention()'s and the wrappers' run() keywords cannot be parameter names (k_scale was
+    taken as the fp8 scale, kv_cache / self clashed with run()'s arguments); a name or a
+    variant name with a final newline is refused (a regex "$" matches before it)."""
+    for name in ("sm_scale", "k_scale", "v_scale", "kv_cache", "self", "cap\n"):
+        with pytest.raises(SpecError, match=re.escape(f"name {name!r} must be an identifier")):
+            ja.scalar(name)
+    with pytest.raises(SpecError, match="name 'k_scale' must be"):
+        ja.tensor("k_scale", ("num_qo_heads",), "float32")
+    with pytest.raises(SpecError, match=r"Variant name='causal\\n': expected"):
+        ja.Variant("causal\n")
