@@ -284,7 +284,7 @@ class CascadeDecode(MultiLevelCascade):
             if params:
                 reject_run_kwargs(self, params)
                 return plain_run(q, kv_cache, return_lse=return_lse, **params)
-            return plain_run(q, kv_cache, return_lse=return_lse)
+            return plain_run(q, kv_cache, return_lse=True) if return_lse else plain_run(q, kv_cache)
         if self.chosen is not None and isinstance(q, torch.Tensor) and \
                 q.shape[0] != self._q_shape[0]:  # (the levels accept rows beyond the plan's)
             raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects {self._q_shape}")
