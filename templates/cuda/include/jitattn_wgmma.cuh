@@ -52,10 +52,12 @@ __device__ __forceinline__ void fence_mbar_init() {
 // (1024-byte aligned for the 128-byte swizzle), completing its bytes on `bar`
 __device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap* map, int c0, int c1,
                                             int c2, unsigned long long* bar) {
+  // L2 evict-last: K / V tiles are read again by the other query tiles of their request (and
+  // a shared prefix by every request); the policy constant is CUTLASS's CacheHintSm90::EVICT_LAST
   asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-               " [%0], [%1, {%2, %3, %4}], [%5];\n"
+               ".L2::cache_hint [%0], [%1, {%2, %3, %4}], [%5], %6;\n"
                :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1),
-                  "r"(c2), "r"(smem_addr(bar)) : "memory");
+                  "r"(c2), "r"(smem_addr(bar)), "l"(0x14F0000000000000ull) : "memory");
 }
 // cp.async (generic proxy) writes become visible to wgmma's operand reads (async proxy)
 __device__ __forceinline__ void fence_proxy_async() {
