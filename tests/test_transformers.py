@@ -98,6 +98,23 @@ def test_masks_that_are_not_padding_are_refused():
         jitattn_attention_forward(module, q, q, q, None, dropout=0.1)
 
 
+@pytest.mark.parametrize("q_len", [4, 12])
+def test_cross_attention_over_a_padded_encoder_batch_matches_sdpa(q_len):
+    """Cross-attention (not causal): request 1's encoder keys 6..9 are padding. A query's "own"
+    key means nothing here; taking it to decide which queries are real zeroed request 1's
+    queries (q_len 4) or raised IndexError (q_len 12 > kv_len 10)."""
+    from jitattn.integrations.transformers import jitattn_attention_forward
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 2, n, 64, generator=gen).half() for n in (q_len, 10, 10))
+    mask = torch.ones(2, 1, q_len, 10, dtype=torch.bool)
+    mask[1, :, :, 6:] = False
+    module = torch.nn.Module()
+    module.is_causal = False
+    out, _ = jitattn_attention_forward(module, q, k, v, mask, scaling=0.125, is_causal=False)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=0.125).transpose(1, 2)
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+
 def test_gemma2_soft_cap_and_sliding_window_from_the_config(monkeypatch):
     """Gemma 2's attention: logit soft-cap 50 and a 16-token sliding window on every other
     layer, taken from what the model passes; prefill and a decode step past the window."""

@@ -11,10 +11,11 @@ RoPE has already been applied by the model.
 Batches: without padding, the mask function registered with the attention (transformers' sdpa
 mask) returns no mask, and jitattn runs the batch as a ragged batch of equal requests, queries
 aligned to the end of the keys (as in decoding with a KV cache). With padding (left or right,
-prefill or decode with a cache), the mask is turned into a ragged batch once per forward (the
-model passes the same mask to every layer): each request keeps its real queries and keys, and
-the mask is checked to be exactly what the variant computes on them; padding rows give 0. A
-mask that is not padding-shaped (e.g. packed sequences) raises ValueError.
+prefill or decode with a cache; cross-attention over a padded encoder batch), the mask is
+turned into a ragged batch once per forward (the model passes the same mask to every layer):
+each request keeps its real queries and keys, and the mask is checked to be exactly what the
+variant computes on them; padding rows (and queries that see no key) give 0. A mask that is
+not padding-shaped (e.g. packed sequences) raises ValueError.
 """
 
 from __future__ import annotations
@@ -44,11 +45,17 @@ class _Unpadding:
 
     def __init__(self, allowed: torch.Tensor, variant: ja.Variant):
         """allowed: [batch, q_len, kv_len] bool, True where a query may see a key. A key is
-        real if some query sees it; a query is real if its own token (key kv_len - q_len + i)
-        is, and only real queries' rows are checked and computed."""
+        real if some query sees it. Where positions matter (causal or windowed), a query is
+        real if its own token (key kv_len - q_len + i; none before the first key) is;
+        otherwise (cross-attention, whose keys are another sequence, and encoders) if it sees
+        a key. Only real queries' rows are checked and computed."""
         q_len, kv_len = allowed.shape[1:]
         key_real = allowed.any(dim=1)
-        q_real = key_real[:, kv_len - q_len:]
+        if variant.mask == "none" and variant.window_left is None:
+            q_real = allowed.any(dim=2)
+        else:
+            q_real = torch.zeros(allowed.shape[:2], dtype=torch.bool, device=allowed.device)
+            q_real[:, max(0, q_len - kv_len):] = key_real[:, max(0, kv_len - q_len):]
         n, m = key_real.sum(1), q_real.sum(1)
         key_rank, q_rank = key_real.cumsum(1) - 1, q_real.cumsum(1) - 1
         # what the variant computes on the real rows: query rank r sits at position
