@@ -30,6 +30,9 @@ from .spec import Variant
 from .workspace import Workspace
 
 LAYOUTS = ("NHD", "HND", "ragged")
+# the constructor's capacities (each an int >= 1), which the other wrappers pass through
+CAPACITY_NAMES = ("max_batch_size", "max_num_pages", "max_work_items", "max_partial_rows",
+                  "max_mask_bytes", "max_item_tokens")
 
 
 def resolve_device(device) -> torch.device:
@@ -93,10 +96,9 @@ class BatchPrefill:
         self.device = resolve_device(device)
         self._handle = ops.register_wrapper(self)  # torch.compile: the op finds us by it
         self.split_kv = split_kv
-        self.capacity = {name: int_arg(name, value) for name, value in (
-            ("max_batch_size", max_batch_size), ("max_num_pages", max_num_pages),
-            ("max_work_items", max_work_items), ("max_partial_rows", max_partial_rows),
-            ("max_mask_bytes", max_mask_bytes), ("max_item_tokens", max_item_tokens))}
+        self.capacity = {name: int_arg(name, value) for name, value in zip(CAPACITY_NAMES, (
+            max_batch_size, max_num_pages, max_work_items, max_partial_rows, max_mask_bytes,
+            max_item_tokens))}
         self._plan: Plan | None = None
         self._ws: Workspace | None = None
         self._planned: dict = {}
@@ -322,16 +324,22 @@ class BatchPrefill:
                         k_scale=k_scale, v_scale=v_scale, **params)
 
 
+_NOT_RUN_KWARGS = {
+    "k_scale": "fp8 KV caches and their scales are BatchPrefill's and BatchDecode's",
+    "v_scale": "fp8 KV caches and their scales are BatchPrefill's and BatchDecode's",
+    "out": "it returns new tensors", "lse": "it returns new tensors",
+    "return_lse": "it returns the output only"}  # (SharedPrefixPrefill; cascades take it)
+
+
 def reject_run_kwargs(wrapper, params: dict) -> None:
     """Cascades and shared-prefix prefill plan caches in q's dtype and return new tensors: their
     run() takes no k_scale / v_scale (which BatchPrefill.run would otherwise apply from their
-    **params) and no out / lse buffers. Raises ValueError naming the keyword."""
+    **params) and no out / lse buffers (nor, SharedPrefixPrefill's, return_lse). Raises
+    ValueError naming the keyword."""
     if not params:
         return
-    for name in ("k_scale", "v_scale", "out", "lse"):
+    for name, why in _NOT_RUN_KWARGS.items():
         if name in params and name not in wrapper.variant.runtime_param_names:
-            why = "fp8 KV caches and their scales are BatchPrefill's and BatchDecode's" \
-                if name.endswith("scale") else "it returns new tensors"
             raise ValueError(f"{type(wrapper).__name__}.run() takes no {name}: {why}")
 
 

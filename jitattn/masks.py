@@ -34,6 +34,10 @@ def mask_arrays(mode: str, masks: dict, qo_lens, kv_lens, cap: dict) -> dict:
     batch = len(qo_lens)
     if mode == "custom":
         sizes = qo_lens.astype(np.int64) * kv_lens
+        if masks.get("custom_mask") is not None and (masks.get("packed_custom_mask") is not None
+                                                     or masks.get("mask_indptr") is not None):
+            raise ValueError("give custom_mask, or packed_custom_mask with mask_indptr, not both "
+                             "(the packed mask was ignored)")
         if masks.get("custom_mask") is not None:
             flat = masks["custom_mask"]
             if not isinstance(flat, torch.Tensor) or flat.dtype != torch.bool or \

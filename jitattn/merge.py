@@ -27,7 +27,10 @@ def _check_state(name: str, o, lse, n_dims: int | None = None) -> None:
         raise TypeError(f"{name}: o has dtype {o.dtype}; expected float16, bfloat16 or float32")
     if lse.dtype != torch.float32:
         raise TypeError(f"{name}: lse has dtype {lse.dtype}; expected torch.float32")
-    if o.dim() < 2 or tuple(lse.shape) != tuple(o.shape[:-1]):
+    if o.dim() < 2:
+        raise ValueError(f"{name}: o must be [rows..., head_dim] with at least one row "
+                         f"dimension, got {tuple(o.shape)} (one row: o[None], lse[None])")
+    if tuple(lse.shape) != tuple(o.shape[:-1]):
         raise ValueError(f"{name}: lse must have o's shape without the last dimension; got o "
                          f"{tuple(o.shape)}, lse {tuple(lse.shape)}")
     if o.device != lse.device or o.device.type not in ("cpu", "cuda"):
@@ -49,7 +52,9 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, reduction: str = "softma
     if reduction not in ("softmax", "sigmoid"):
         raise ValueError(f"reduction={reduction!r}: expected 'softmax' or 'sigmoid'")
     if o.dim() < 3:
-        raise ValueError(f"merge_states: o must be [n, ..., head_dim], got {tuple(o.shape)}")
+        raise ValueError(f"merge_states: o must be [n, rows..., head_dim] with at least one row "
+                         f"dimension, got {tuple(o.shape)} (n states of one row: o[:, None], "
+                         f"lse[:, None])")
     n, rows = o.shape[0], math.prod(lse.shape[1:])  # (n may be 0: the empty merge)
     out = torch.empty(o.shape[1:], dtype=o.dtype, device=o.device)
     lse_out = torch.empty(lse.shape[1:], dtype=torch.float32, device=o.device)

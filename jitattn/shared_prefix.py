@@ -41,10 +41,11 @@ import numpy as np
 import torch
 
 from . import ops, tune
-from .batch import BatchPrefill, reject_run_kwargs, resolve_device
+from .batch import CAPACITY_NAMES, BatchPrefill, reject_run_kwargs, resolve_device
+from .batch_inputs import int_arg
 from .merge import merge_state_in_place
 from .prefix import multi_item_metadata
-from .render import tiles_for
+from .render import QUERY_TILES, tiles_for
 from .spec import Variant
 
 STRATEGIES = ("naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
@@ -127,6 +128,17 @@ class SharedPrefixPrefill:
             raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES + ('auto',)}")
         if strategy != "auto":
             check_strategy(variant, strategy)
+        unknown = set(capacities) - set(CAPACITY_NAMES + ("split_kv", "query_tile"))
+        if unknown:  # (page_size and kv_layout are the strategies' own)
+            raise TypeError(f"SharedPrefixPrefill() takes no {sorted(unknown)}; besides strategy "
+                            f"and device it takes BatchPrefill's {CAPACITY_NAMES}, split_kv and "
+                            f"query_tile")
+        for name in CAPACITY_NAMES:
+            if name in capacities:
+                capacities[name] = int_arg(name, capacities[name])
+        if capacities.get("query_tile", "auto") not in QUERY_TILES:
+            raise ValueError(f"query_tile={capacities['query_tile']!r}: expected one of "
+                             f"{QUERY_TILES}")
         self.variant, self.strategy, self.device = variant, strategy, resolve_device(device)
         self._capacities = capacities
         self._handle = ops.register_wrapper(self)  # torch.compile: the op finds us by it

@@ -139,8 +139,10 @@ class Variant:
         if self.reduction not in REDUCTIONS:
             raise SpecError(f"Variant reduction={self.reduction!r}: expected one of {REDUCTIONS}")
         w = self.window_left
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < -1):
-            raise SpecError(f"Variant window_left={w!r}: expected None, -1 or an int >= 0")
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or
+                              not -1 <= w < 2**31):  # (the kernels compare positions in int32)
+            raise SpecError(f"Variant window_left={w!r}: expected None, -1 or an int in 0 .. "
+                            f"2**31 - 1")
         object.__setattr__(self, "window_left", None if w == -1 else w)
         if self.pos_encoding is not None and not isinstance(self.pos_encoding, RoPE):
             raise SpecError(f"Variant pos_encoding={self.pos_encoding!r}: expected ja.RoPE(...)")

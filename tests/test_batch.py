@@ -228,6 +228,11 @@ def test_mask_arguments_are_checked():
     with pytest.raises(ValueError, match="expected sum"):
         custom.plan(qo, kv_indptr, kv_indices, last, 4, 2, 64,
                     custom_mask=torch.ones(29, dtype=torch.bool))
+    with pytest.raises(ValueError, match="not both"):  # (the packed one was ignored)
+        custom.plan(qo, kv_indptr, kv_indices, last, 4, 2, 64,
+                    custom_mask=torch.ones(30, dtype=torch.bool),
+                    packed_custom_mask=torch.zeros(4, dtype=torch.uint8),
+                    mask_indptr=torch.tensor([0, 2, 4], dtype=torch.int32))
     plain = ja.BatchPrefill(ja.Variant("p"), device="cpu")
     with pytest.raises(ValueError, match="mask is 'causal'"):
         plain.plan(qo, kv_indptr, kv_indices, last, 4, 2, 64,

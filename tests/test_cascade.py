@@ -210,6 +210,10 @@ def test_auto_follows_its_latest_choice_and_refuses_output_buffers():
     shared = ja.SharedPrefixPrefill(variant, device="cpu")
     with pytest.raises(ValueError, match="SharedPrefixPrefill.run\\(\\) takes no out"):
         shared.run(q, q, q, out=torch.empty_like(q))
+    # (return_lse: a TypeError in two strategies, ignored by the other four)
+    with pytest.raises(ValueError, match="SharedPrefixPrefill.run\\(\\) takes no return_lse: it "
+                                         "returns the output only"):
+        shared.run(q, q, q, return_lse=True)
 
 
 def test_auto_keeps_the_cascade_when_plain_tables_would_not_fit():

@@ -67,6 +67,13 @@ def test_bad_states():
         ja.merge_states(o, lse[:, :3].contiguous())
     with pytest.raises(ValueError, match="states differ"):
         ja.merge_state(o[0], lse[0], o[0, :2], lse[0, :2])
+    # one row without a row dimension: the message named lse's shape, which was right
+    with pytest.raises(ValueError, match=r"merge_state \(o_a, lse_a\): o must be \[rows\.\.\., "
+                                         r"head_dim\] with at least one row dimension, got \(64,\)"):
+        ja.merge_state(o[0, 0], lse[0, 0], o[1, 0], lse[1, 0])
+    with pytest.raises(ValueError, match=r"o must be \[n, rows\.\.\., head_dim\] .* "
+                                         r"o\[:, None\], lse\[:, None\]"):
+        ja.merge_states(o[:, 0].contiguous(), lse[:, 0].contiguous())
 
 
 def check_in_place_pair_merge(device):

@@ -31,6 +31,8 @@ def test_captured_tensor_values_do_not_change_the_key():
     (dict(reduction="relu"), "reduction"),
     (dict(window_left=-3), "window_left"),
     (dict(window_left=2.5), "window_left"),
+    (dict(window_left=2**32 + 5), r"window_left=4294967301: expected None, -1 or an int in "
+                                  r"0 \.\. 2\*\*31 - 1"),  # (was a window of 5 in int32)
     (dict(pos_encoding="rope"), "pos_encoding"),
     (dict(name="bad name"), "name"),
 ])
