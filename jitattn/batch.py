@@ -15,6 +15,7 @@ the schedule may change; BatchDecode with a fixed batch is the usual case).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import numpy as np
@@ -22,7 +23,8 @@ import torch
 
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
-from .batch_inputs import check_batch, int_arg
+from .args import int_arg
+from .batch_inputs import check_batch
 from .plan import Plan, make_plan
 from .render import QUERY_TILES, query_kind, tiles_for
 from .run_inputs import RunInputs, split_cache
@@ -30,9 +32,11 @@ from .spec import Variant
 from .workspace import Workspace
 
 LAYOUTS = ("NHD", "HND", "ragged")
-# the constructor's capacities (each an int >= 1), which the other wrappers pass through
-CAPACITY_NAMES = ("max_batch_size", "max_num_pages", "max_work_items", "max_partial_rows",
-                  "max_mask_bytes", "max_item_tokens")
+# the constructor's capacities and their least values (0: plans that need none), which the
+# other wrappers pass through
+CAPACITY_MINIMUMS = {"max_batch_size": 1, "max_num_pages": 0, "max_work_items": 1,
+                     "max_partial_rows": 0, "max_mask_bytes": 0, "max_item_tokens": 0}
+CAPACITY_NAMES = tuple(CAPACITY_MINIMUMS)
 
 
 def resolve_device(device) -> torch.device:
@@ -96,9 +100,10 @@ class BatchPrefill:
         self.device = resolve_device(device)
         self._handle = ops.register_wrapper(self)  # torch.compile: the op finds us by it
         self.split_kv = split_kv
-        self.capacity = {name: int_arg(name, value) for name, value in zip(CAPACITY_NAMES, (
-            max_batch_size, max_num_pages, max_work_items, max_partial_rows, max_mask_bytes,
-            max_item_tokens))}
+        self.capacity = {name: int_arg(name, value, CAPACITY_MINIMUMS[name])
+                         for name, value in zip(CAPACITY_NAMES, (
+                             max_batch_size, max_num_pages, max_work_items, max_partial_rows,
+                             max_mask_bytes, max_item_tokens))}
         self._plan: Plan | None = None
         self._ws: Workspace | None = None
         self._planned: dict = {}
@@ -271,12 +276,17 @@ class BatchPrefill:
         if type(k_scale) is not float or type(v_scale) is not float or \
                 k_scale != 1.0 or v_scale != 1.0:  # (the defaults need no check: host time)
             for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                        not math.isfinite(value) or value <= 0:
+                try:
+                    fine = not isinstance(value, (bool, np.bool_)) and \
+                        isinstance(value, numbers.Real) and 0 < float(value) < math.inf
+                except OverflowError:
+                    fine = False
+                if not fine:
                     hint = " (read a tensor scale once with .item(): a tensor here would " \
                         "cost a device sync per call)" if isinstance(value, torch.Tensor) else ""
                     raise ValueError(f"{name}={value!r}: expected a finite Python float > 0"
                                      f"{hint}")
+            k_scale, v_scale = float(k_scale), float(v_scale)  # (numpy's floats too)
             scale = self._planned.get("sm_scale", 1.0) * k_scale  # the kernels' softmax scale
             if not launch.positive_f32(scale):
                 raise ValueError(f"k_scale={k_scale!r}: sm_scale x k_scale = {scale!r} must be "
@@ -328,19 +338,18 @@ _NOT_RUN_KWARGS = {
     "k_scale": "fp8 KV caches and their scales are BatchPrefill's and BatchDecode's",
     "v_scale": "fp8 KV caches and their scales are BatchPrefill's and BatchDecode's",
     "out": "it returns new tensors", "lse": "it returns new tensors",
-    "return_lse": "it returns the output only"}  # (SharedPrefixPrefill; cascades take it)
+    "return_lse": "it returns the output only"}
 
 
-def reject_run_kwargs(wrapper, params: dict) -> None:
-    """Cascades and shared-prefix prefill plan caches in q's dtype and return new tensors: their
-    run() takes no k_scale / v_scale (which BatchPrefill.run would otherwise apply from their
-    **params) and no out / lse buffers (nor, SharedPrefixPrefill's, return_lse). Raises
-    ValueError naming the keyword."""
-    if not params:
-        return
-    for name, why in _NOT_RUN_KWARGS.items():
-        if name in params and name not in wrapper.variant.runtime_param_names:
-            raise ValueError(f"{type(wrapper).__name__}.run() takes no {name}: {why}")
+def reject_run_kwargs(wrapper, params: dict, names=("k_scale", "v_scale")) -> None:
+    """Cascades and shared-prefix prefill plan caches in q's dtype: their run() takes no
+    k_scale / v_scale (which BatchPrefill.run would otherwise apply from their **params);
+    SharedPrefixPrefill.run also takes no out, lse or return_lse (``names``). Raises
+    ValueError naming the keyword. (Parameter names cannot be these: dsl reserves them.)"""
+    for name in names:
+        if name in params:
+            raise ValueError(f"{type(wrapper).__name__}.run() takes no {name}: "
+                             f"{_NOT_RUN_KWARGS[name]}")
 
 
 def _cache_tensors(kv_cache) -> list:

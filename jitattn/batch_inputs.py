@@ -4,7 +4,6 @@ the wrapper's capacities. Every error names the argument, its value and what was
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +11,7 @@ import torch
 
 from . import dtypes
 from . import masks as masks_mod
+from .args import int_arg
 from .plan import check_seq_lens
 from .render import HEAD_DIMS
 
@@ -37,20 +37,6 @@ class BatchInputs:
     @property
     def batch(self) -> int:
         return len(self.qo) - 1
-
-
-def int_arg(name: str, value, minimum: int = 1) -> int:
-    """An int argument (a Python or numpy int, not a bool) >= minimum, as a Python int. Raises
-    ValueError naming it."""
-    try:
-        if isinstance(value, (bool, np.bool_)):
-            raise TypeError
-        n = operator.index(value)
-    except TypeError:
-        n = None
-    if n is None or n < minimum:
-        raise ValueError(f"{name}={value!r}: expected an int >= {minimum}")
-    return n
 
 
 def check_indptr(name: str, x: np.ndarray) -> None:
@@ -112,8 +98,8 @@ def check_batch(qo, kv_indptr, kv_indices, kv_last_page_len, *, decode: bool, kv
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
                          f"num_kv_heads ({num_kv_heads})")
-    if isinstance(head_dim, (bool, np.bool_, float, np.floating)) or head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim={head_dim!r}: expected an int, one of {HEAD_DIMS}")
+    if int_arg("head_dim", head_dim) not in HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim!r}: expected one of {HEAD_DIMS}")
     kv_dtype = q_dtype if kv_dtype is None else kv_dtype
     if q_dtype not in dtypes.QKV_DTYPES or kv_dtype not in (q_dtype,) + dtypes.FP8_KV_DTYPES:
         raise TypeError(f"q_dtype={q_dtype}, kv_dtype={kv_dtype}: expected q_dtype one of "

@@ -20,10 +20,12 @@ import numpy as np
 import torch
 
 from . import masks as masks_mod
-from . import ops
-from .batch import BatchDecode, BatchPrefill, _cache_tensors, reject_run_kwargs, resolve_device
+from . import launch, ops
+from .args import int_arg
+from .batch import (BatchDecode, BatchPrefill, _cache_tensors, _into, reject_run_kwargs,
+                    resolve_device)
 from .batch_inputs import check_batch
-from .merge import merge_states
+from .merge import merge_states_into
 from .shared_prefix import check_strategy
 from .spec import Variant
 
@@ -36,8 +38,7 @@ class MultiLevelCascade:
                  kv_layout: str = "NHD", *, device=None, **capacities):
         if not isinstance(variant, Variant):
             raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
-        if isinstance(num_levels, bool) or not isinstance(num_levels, int) or num_levels < 1:
-            raise ValueError(f"num_levels={num_levels!r}: expected an int >= 1")
+        num_levels = int_arg("num_levels", num_levels)
         if variant.mask not in ("none", "causal"):
             raise ValueError(f"cascade levels take variants with mask 'none' or 'causal', got "
                              f"{variant.mask!r}")
@@ -62,10 +63,12 @@ class MultiLevelCascade:
                           ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
             if not isinstance(arg, (list, tuple)) or len(arg) != n:
                 raise ValueError(f"{name} must be a list of {n} tensors (one per level)")
-        if q_rows is not None and (not isinstance(q_rows, (list, tuple)) or len(q_rows) != n):
+        sized = isinstance(q_rows, (list, tuple)) or (
+            isinstance(q_rows, (torch.Tensor, np.ndarray)) and q_rows.ndim == 2)
+        if q_rows is not None and (not sized or len(q_rows) != n):
             raise ValueError(f"q_rows must be a list of {n} entries (one per level: int rows of "
-                             f"q, or None), got {type(q_rows).__name__}"
-                             + (f" of {len(q_rows)}" if isinstance(q_rows, (list, tuple)) else ""))
+                             f"q, or None) or a [{n}, rows] tensor, got {type(q_rows).__name__}"
+                             + (f" of {len(q_rows)}" if sized else ""))
         self._rows = None
         rows = []
         for i, level in enumerate(self.levels):
@@ -74,7 +77,9 @@ class MultiLevelCascade:
                            num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
                            sm_scale=sm_scale)
             except (TypeError, ValueError) as e:  # the level's arguments are entry i of ours
-                raise type(e)(f"level {i}: {e}") from None
+                if type(e) not in (TypeError, ValueError):
+                    raise  # (a subclass's constructor may take other arguments)
+                raise type(e)(f"level {i}: {e}") from e
             rows.append(self._level_rows(i, int(qo_indptr[i][-1]), q_rows))
         self._set_rows(rows)
 
@@ -104,15 +109,18 @@ class MultiLevelCascade:
         self._min_rows = max((r.stop if isinstance(r, slice) else int(r.max()) + 1
                               for r in rows if _count(r)), default=0)
 
-    def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False, **params):
+    def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, **params):
         """Attention of q [total_q, heads, head_dim] over all levels, merged. Rows that no
         level covers get out 0, lse -inf. Each level writes its state into one slab of a
         [levels, total_q, ...] buffer (consecutive rows in place, without copies), and one
-        merge combines the slabs."""
+        merge combines the slabs (into out / lse when given: [total_q, heads, head_dim] in q's
+        dtype / [total_q, heads] float32, contiguous). params: the variant's runtime
+        parameters; k_scale / v_scale are refused (ValueError)."""
         reject_run_kwargs(self, params)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
             o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2)
-            return (o, s) if return_lse else o
+            return _into(o, s, out, lse, return_lse)
         if self._rows is None:
             raise RuntimeError(f"{type(self).__name__}.run() called before plan() (or after a "
                                f"plan() that raised)")
@@ -122,22 +130,24 @@ class MultiLevelCascade:
             raise ValueError(f"q has {q.shape[0]} rows; the plan uses rows up to "
                              f"{self._min_rows - 1}")
         n, total = len(self.levels), q.shape[0]
+        out = launch.output_buffer("out", out, q.shape, q.dtype, q.device)
+        lse = launch.output_buffer("lse", lse, q.shape[:2], torch.float32, q.device, align=4)
         o_levels = torch.empty((n, *q.shape), dtype=q.dtype, device=q.device)
         lse_levels = torch.empty((n, *q.shape[:2]), dtype=torch.float32, device=q.device)
         # each level's slab: one unbind for all (each view op costs host time per layer)
-        for level, rows, o, lse in zip(self.levels, self._rows, o_levels.unbind(0),
-                                       lse_levels.unbind(0)):
+        for level, rows, o, s in zip(self.levels, self._rows, o_levels.unbind(0),
+                                     lse_levels.unbind(0)):
             if isinstance(rows, slice) and rows.start == 0 and rows.stop == total:
-                level.run(q, kv_cache, out=o, lse=lse, **params)  # every row: no slicing
+                level.run(q, kv_cache, out=o, lse=s, **params)  # every row: no slicing
                 continue
             o.zero_()  # rows this level does not cover are empty states
-            lse.fill_(float("-inf"))
+            s.fill_(float("-inf"))
             if isinstance(rows, slice):
-                level.run(q[rows], kv_cache, out=o[rows], lse=lse[rows], **params)
+                level.run(q[rows], kv_cache, out=o[rows], lse=s[rows], **params)
             else:
-                o[rows], lse[rows] = level.run(q[rows].contiguous(), kv_cache,
-                                               return_lse=True, **params)
-        out, lse = merge_states(o_levels, lse_levels, reduction=self.variant.reduction)
+                o[rows], s[rows] = level.run(q[rows].contiguous(), kv_cache,
+                                             return_lse=True, **params)
+        merge_states_into(o_levels, lse_levels, out, lse, self.variant.reduction)
         return (out, lse) if return_lse else out
 
 

@@ -362,6 +362,25 @@ def _tensor_names(fn) -> dict:
 _TRACER = _Tracer()
 
 
+MAX_DEPTH = 200  # nested operations in one mod: each walk over an expression recurses per level
+
+
+def _depth(root: Expr) -> int:
+    """How many operations deep ``root`` is, counted without recursion (shared subexpressions
+    once)."""
+    depth: dict = {}
+    stack = [root]
+    while stack:
+        e = stack[-1]
+        pending = [a for a in e.args if isinstance(a, Expr) and id(a) not in depth]
+        if pending:
+            stack += pending
+            continue
+        stack.pop()
+        depth[id(e)] = 1 + max((depth[id(a)] for a in e.args if isinstance(a, Expr)), default=0)
+    return depth[id(root)]
+
+
 @dataclass(frozen=True, eq=False)
 class Traced:
     """A traced mod: its expression, the function's name and where it was defined."""
@@ -414,6 +433,11 @@ def trace(fn, kind: str) -> Traced:
     finally:
         _TRACER = outer
     out = _lift(out)
+    depth = _depth(out)
+    if depth > MAX_DEPTH:
+        raise SpecError(f"{label} (defined at {src}): the expression is {depth} operations deep, "
+                        f"more than {MAX_DEPTH} (code generation walks it recursively); a sum "
+                        f"of many terms fits as a lookup in a ja.tensor table")
     if kind == "mask_mod" and out.kind != "bool":
         raise SpecError(f"{label}: a mask_mod must return a bool expression (a comparison), "
                         f"got {out.kind}")

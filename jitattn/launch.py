@@ -32,8 +32,12 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     the maximum of the scaled scores must be the scaled maximum)."""
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(sm_scale, (bool, np.bool_)) or not isinstance(sm_scale, numbers.Real) or \
-            not positive_f32(float(sm_scale)):
+    try:
+        fine = not isinstance(sm_scale, (bool, np.bool_)) and \
+            isinstance(sm_scale, numbers.Real) and positive_f32(float(sm_scale))
+    except OverflowError:  # (an int beyond any float)
+        fine = False
+    if not fine:
         raise ValueError(f"sm_scale={sm_scale!r}: expected a finite number > 0 (as float32)")
     return float(sm_scale)
 

@@ -55,9 +55,17 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, reduction: str = "softma
         raise ValueError(f"merge_states: o must be [n, rows..., head_dim] with at least one row "
                          f"dimension, got {tuple(o.shape)} (n states of one row: o[:, None], "
                          f"lse[:, None])")
-    n, rows = o.shape[0], math.prod(lse.shape[1:])  # (n may be 0: the empty merge)
     out = torch.empty(o.shape[1:], dtype=o.dtype, device=o.device)
     lse_out = torch.empty(lse.shape[1:], dtype=torch.float32, device=o.device)
+    return merge_states_into(o, lse, out, lse_out, reduction)
+
+
+def merge_states_into(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
+                      lse_out: torch.Tensor, reduction: str):
+    """merge_states writing into out [..., head_dim] (o's dtype) and lse_out [...] (float32),
+    contiguous, which the caller has checked (launch.output_buffer) along with o and lse.
+    Returns (out, lse_out)."""
+    n, rows = o.shape[0], math.prod(lse.shape[1:])  # (n may be 0: the empty merge)
     if rows and n:
         launch.run_merge(o, lse, out, lse_out, sigmoid=reduction == "sigmoid",
                          num_merged=rows, num_states=n, state_stride=rows)

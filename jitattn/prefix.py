@@ -10,40 +10,42 @@ of requests, the longest block prefix they all share. See docs/sources.md, scena
 from __future__ import annotations
 
 import hashlib
-import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import torch
 
-
-def _block_size(block_size) -> int:
-    """block_size as an int >= 1; raises TypeError / ValueError naming it."""
-    try:
-        if isinstance(block_size, (bool, np.bool_)):
-            raise TypeError
-        size = operator.index(block_size)
-    except TypeError:
-        raise TypeError(f"block_size={block_size!r}: expected an int >= 1") from None
-    if size < 1:
-        raise ValueError(f"block_size={block_size}: expected an int >= 1")
-    return size
+from .args import int_arg
 
 
 def _token_array(tokens, name: str = "tokens") -> np.ndarray:
-    """One request's token ids as a 1-D int64 array: a sequence of ints, or a 1-D integer numpy
-    array or torch tensor (read at once, not element by element). Raises TypeError / ValueError
-    naming ``name`` for anything else (floats, bools, strings, other ranks, ids beyond int64),
-    which would otherwise be truncated or flattened into a different request."""
+    """One request's token ids as a 1-D int64 array: a sequence (or iterable) of ints, or a 1-D
+    integer numpy array or torch tensor (read at once, not element by element). Raises
+    TypeError / ValueError naming ``name`` and the first bad id for anything else (floats,
+    bools, strings, other ranks, ids beyond int64), which would otherwise be truncated or
+    flattened into a different request."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or \
                 tokens.dtype == torch.bool:
             raise TypeError(f"{name} is a {tokens.dtype} tensor; expected integer token ids")
-        tokens = tokens.detach().cpu().numpy()
+        try:
+            tokens = tokens.detach().cpu().numpy()
+        except (NotImplementedError, RuntimeError) as e:  # e.g. a meta tensor
+            raise ValueError(f"{name} is a tensor on {tokens.device} that cannot be read: "
+                             f"{e}") from None
     elif isinstance(tokens, (str, bytes)):
         raise TypeError(f"{name} is a {type(tokens).__name__}; expected token ids (a tokenizer's "
                         f"output), not text")
+    elif not isinstance(tokens, np.ndarray):
+        try:
+            tokens = list(tokens)  # (a generator is read once)
+        except TypeError:
+            raise TypeError(f"{name} is a {type(tokens).__name__}; expected a sequence of token "
+                            f"ids") from None
+        bad = next((t for t in tokens if isinstance(t, (bool, np.bool_))), None)
+        if bad is not None:
+            raise TypeError(f"{name} holds the bool {bad!r}; expected integer token ids")
     try:
         arr = np.asarray(tokens)
     except (OverflowError, ValueError) as e:  # ragged nesting
@@ -52,10 +54,20 @@ def _token_array(tokens, name: str = "tokens") -> np.ndarray:
         raise ValueError(f"{name} has shape {arr.shape}; expected a 1-D sequence of token ids")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind not in "iu" or (arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max):
-        first = arr[0].item() if isinstance(arr[0], np.generic) else arr[0]
-        raise TypeError(f"{name} holds {arr.dtype} values (first {first!r}); expected integer "
-                        f"token ids that fit int64")
+    if arr.dtype.kind == "u":
+        too_big = arr > np.iinfo(np.int64).max
+        if too_big.any():
+            raise TypeError(f"{name} holds {arr[too_big.argmax()].item()}; expected integer "
+                            f"token ids that fit int64")
+    elif arr.dtype.kind != "i":
+        fits = (lambda t: isinstance(t, (int, np.integer)) and not isinstance(t, bool) and
+                -2**63 <= t < 2**63)
+        bad = next((t for t in arr.tolist() if not fits(t)), fits) if arr.dtype.kind == "O" \
+            else arr[0].item()
+        if bad is fits:  # (no bad id: an object array of ints that fit)
+            return arr.astype(np.int64)
+        raise TypeError(f"{name} holds {bad!r} ({arr.dtype} values); expected integer token "
+                        f"ids that fit int64")
     return arr.astype(np.int64, copy=False)
 
 
@@ -63,7 +75,7 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
     """Chained sha256 of every full block: h_i = H(h_{i-1} || tokens[i*B:(i+1)*B]).
     A trailing partial block has no hash (it cannot be shared as a whole page). tokens: see
     _token_array. Raises TypeError / ValueError for bad tokens or block_size."""
-    block_size = _block_size(block_size)
+    block_size = int_arg("block_size", block_size)
     arr = _token_array(tokens)
     out, prev = [], b""
     for i in range(len(arr) // block_size):
@@ -95,7 +107,7 @@ class PrefixTrie:
     """
 
     def __init__(self, block_size: int):
-        self.block_size = _block_size(block_size)
+        self.block_size = int_arg("block_size", block_size)
         self.root = _Node()
         self._count = 0
 
@@ -183,11 +195,15 @@ class PrefixTrie:
 
 def find_shared_prefixes(requests: Sequence[Sequence[int]], block_size: int,
                          min_members: int = 2) -> list[PrefixGroup]:
-    """Group a batch's requests (token id sequences) by their longest shared block prefix.
+    """Group a batch's requests by their longest shared block prefix.
 
-    Only whole blocks are shared, and a request never shares its last token (the
-    prefix must leave every request at least one token of its own to prefill), so prefix_len
-    <= min(len) - 1 rounded down to a block. Returns PrefixGroups covering every request once.
+    requests: one entry per request, its token ids as a list / tuple / iterable of ints or a
+    1-D integer numpy array or torch tensor. block_size: tokens per block (the KV cache's page
+    size), an int >= 1. Only whole blocks are shared, and a request never shares its last token
+    (the prefix must leave every request at least one token of its own to prefill), so
+    prefix_len <= min(len) - 1 rounded down to a block. Returns PrefixGroups covering every
+    request once (see PrefixTrie.groups). Raises TypeError / ValueError naming requests[i] or
+    block_size for anything else (floats, bools, text, 2-D requests, ids beyond int64).
     """
     trie = PrefixTrie(block_size)
     for i, tokens in enumerate(requests):

@@ -41,8 +41,9 @@ import numpy as np
 import torch
 
 from . import ops, tune
-from .batch import CAPACITY_NAMES, BatchPrefill, reject_run_kwargs, resolve_device
-from .batch_inputs import int_arg
+from .args import int_arg
+from .batch import CAPACITY_MINIMUMS, CAPACITY_NAMES, BatchPrefill, reject_run_kwargs, \
+    resolve_device
 from .merge import merge_state_in_place
 from .prefix import multi_item_metadata
 from .render import QUERY_TILES, tiles_for
@@ -135,7 +136,7 @@ class SharedPrefixPrefill:
                             f"query_tile")
         for name in CAPACITY_NAMES:
             if name in capacities:
-                capacities[name] = int_arg(name, capacities[name])
+                capacities[name] = int_arg(name, capacities[name], CAPACITY_MINIMUMS[name])
         if capacities.get("query_tile", "auto") not in QUERY_TILES:
             raise ValueError(f"query_tile={capacities['query_tile']!r}: expected one of "
                              f"{QUERY_TILES}")
@@ -221,14 +222,7 @@ class SharedPrefixPrefill:
         except TypeError:
             raise TypeError(f"suffix_lens={suffix_lens!r}: expected a sequence of ints") \
                 from None
-        try:
-            if isinstance(prefix_len, bool):
-                raise TypeError
-            prefix_len = operator.index(prefix_len)
-        except TypeError:
-            raise TypeError(f"prefix_len={prefix_len!r}: expected an int >= 0") from None
-        if prefix_len < 0:
-            raise ValueError(f"prefix_len={prefix_len}: expected an int >= 0")
+        prefix_len = int_arg("prefix_len", prefix_len, minimum=0)
         if not suffix_lens or min(suffix_lens) < 1:
             raise ValueError(f"suffix_lens={suffix_lens}: expected at least one request, each "
                              f"with at least one token of its own")
@@ -328,7 +322,7 @@ class SharedPrefixPrefill:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **params) -> torch.Tensor:
         """q, k, v: [P + sum(S_i), heads, head_dim] in the deduplicated layout. Returns the
         attention output in that layout (each request's rows as if it ran on its own)."""
-        reject_run_kwargs(self, params)
+        reject_run_kwargs(self, params, ("k_scale", "v_scale", "out", "lse", "return_lse"))
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
             return ops.wrapper_traced(self, q, [k, v], params, num_outputs=1)[0]
         if not self._steps:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import dsl
+from .args import int_arg
 from .dsl import ScalarParam, SpecError, TensorParam
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -139,26 +140,23 @@ class Variant:
         if self.reduction not in REDUCTIONS:
             raise SpecError(f"Variant reduction={self.reduction!r}: expected one of {REDUCTIONS}")
         w = self.window_left
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or
-                              not -1 <= w < 2**31):  # (the kernels compare positions in int32)
-            raise SpecError(f"Variant window_left={w!r}: expected None, -1 or an int in 0 .. "
-                            f"2**31 - 1")
+        if w is not None:
+            try:  # (the kernels compare positions in int32)
+                w = int_arg("window_left", w, minimum=-1, maximum=2**31 - 1)
+            except (TypeError, ValueError):
+                raise SpecError(f"Variant window_left={w!r}: expected None, -1 or an int in "
+                                f"0 .. 2**31 - 1") from None
         object.__setattr__(self, "window_left", None if w == -1 else w)
         if self.pos_encoding is not None and not isinstance(self.pos_encoding, RoPE):
             raise SpecError(f"Variant pos_encoding={self.pos_encoding!r}: expected ja.RoPE(...)")
-        try:  # (the walks over the traced expressions recurse once per operation)
-            score = dsl.trace(self.score_mod, "score_mod") if self.score_mod is not None else None
-            mask = dsl.trace(self.mask_mod, "mask_mod") if self.mask_mod is not None else None
-            object.__setattr__(self, "_score", score)
-            object.__setattr__(self, "_mask", mask)
-            exprs = [t.expr for t in (score, mask) if t is not None]
-            object.__setattr__(self, "_params", tuple(dsl.params_of(*exprs)))
-            object.__setattr__(self, "_key", self._compute_key())
-            object.__setattr__(self, "_direct_index", tuple(_direct_indices(*exprs)))
-        except RecursionError:
-            raise SpecError(f"Variant {self.name!r}: score_mod / mask_mod expression too deeply "
-                            f"nested (hundreds of chained operations); build sums of many "
-                            f"terms from a ja.tensor table instead") from None
+        score = dsl.trace(self.score_mod, "score_mod") if self.score_mod is not None else None
+        mask = dsl.trace(self.mask_mod, "mask_mod") if self.mask_mod is not None else None
+        object.__setattr__(self, "_score", score)
+        object.__setattr__(self, "_mask", mask)
+        exprs = [t.expr for t in (score, mask) if t is not None]
+        object.__setattr__(self, "_params", tuple(dsl.params_of(*exprs)))
+        object.__setattr__(self, "_key", self._compute_key())
+        object.__setattr__(self, "_direct_index", tuple(_direct_indices(*exprs)))
         for hook in ON_CREATE:  # e.g. ops.py registers the variant's torch custom op
             hook(self)
 

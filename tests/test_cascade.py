@@ -185,9 +185,10 @@ def test_auto_takes_plain_decode_when_the_prefix_is_short():
                          device="cpu").plan(*partial)
 
 
-def test_auto_follows_its_latest_choice_and_refuses_output_buffers():
+def test_auto_follows_its_latest_choice_and_fills_output_buffers():
     """A plan that switches auto from plain to the cascade (and back) runs the new choice;
-    out / lse buffers are refused whichever it took (run() returns new tensors)."""
+    out / lse buffers are filled whichever it took (the cascade used to raise a duplicate
+    keyword TypeError for them while plain took them)."""
     gen = torch.Generator().manual_seed(5)
     page_size, hq, hkv, d = 4, 8, 2, 64
     variant = ja.Variant("causal", mask="causal")
@@ -202,11 +203,15 @@ def test_auto_follows_its_latest_choice_and_refuses_output_buffers():
         assert auto.plan(*args) == chosen
         fixed = ja.CascadeDecode(variant, page_size=page_size, strategy=chosen, device="cpu")
         fixed.plan(*args)
-        torch.testing.assert_close(auto.run(q, cache), fixed.run(q, cache), rtol=0, atol=0)
-        for name in ("out", "lse"):
-            with pytest.raises(ValueError, match=f"CascadeDecode.run\\(\\) takes no {name}: "
-                                                 "it returns new tensors"):
-                auto.run(q, cache, **{name: torch.empty(0)})
+        want_o, want_lse = fixed.run(q, cache, return_lse=True)
+        torch.testing.assert_close(auto.run(q, cache), want_o, rtol=0, atol=0)
+        out, lse = torch.full_like(q, 7.0), torch.full((3, hq), 7.0)
+        got = auto.run(q, cache, out=out, lse=lse, return_lse=True)
+        assert got[0] is out and got[1] is lse
+        torch.testing.assert_close((out, lse), (want_o, want_lse), rtol=0, atol=0)
+        with pytest.raises(ValueError, match=r"lse is \(3, 4\) torch.float32 on cpu; expected "
+                                             r"\(3, 8\)"):
+            auto.run(q, cache, lse=torch.empty(3, 4))
     shared = ja.SharedPrefixPrefill(variant, device="cpu")
     with pytest.raises(ValueError, match="SharedPrefixPrefill.run\\(\\) takes no out"):
         shared.run(q, q, q, out=torch.empty_like(q))

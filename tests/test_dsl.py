@@ -179,8 +179,11 @@ def test_tanh_approx_is_its_own_op_and_exact_on_the_cpu():
 
 
 def test_deep_expressions_are_a_spec_error():
-    """600 chained additions passed tracing and then hit Python's recursion limit in the walks
-    over the expression (a raw RecursionError); 100 are fine."""
+    """Hundreds of chained additions passed tracing and then hit Python's recursion limit in
+    a walk over the expression (building the Variant, rendering or the reference: a raw
+    RecursionError). The depth is bounded when traced; a chain just inside the bound runs and
+    matches the reference."""
+    from jitattn import reference
     bias = torch.randn(64)
 
     def chain(n):
@@ -189,6 +192,11 @@ def test_deep_expressions_are_a_spec_error():
                 s = s + bias[(kv_idx + i) % 64]
             return s
         return score_mod
-    ja.Variant("chain", score_mod=chain(100))
-    with pytest.raises(SpecError, match="expression too deeply nested"):
-        ja.Variant("chain", score_mod=chain(1500))
+    variant = ja.Variant("chain", score_mod=chain(dsl.MAX_DEPTH - 5))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, 2, 64, generator=gen).half() for n in (3, 5, 5))
+    torch.testing.assert_close(ja.attention(q, k, k, variant),
+                               reference.attention(q, k, k, variant).half(), atol=2e-3, rtol=2e-3)
+    for n in (dsl.MAX_DEPTH + 1, 600):
+        with pytest.raises(SpecError, match="operations deep, more than 200"):
+            ja.Variant("chain", score_mod=chain(n))

@@ -184,8 +184,22 @@ def test_numpy_numbers_are_numbers_and_counts_are_checked_up_front():
     k = torch.randn(3, 2, 64).half()
     torch.testing.assert_close(ja.attention(q, k, k, variant, sm_scale=np.float32(0.5)),
                                ja.attention(q, k, k, variant, sm_scale=0.5), rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"head_dim=64.0: expected an int, one of"):
+    torch.testing.assert_close(w.run(q, cache, k_scale=np.float32(0.5)),
+                               ref.run(q, cache, k_scale=0.5), rtol=0, atol=0)
+    assert ja.Variant("w", window_left=np.int64(4)).window_left == 4
+    with pytest.raises(TypeError, match=r"head_dim=64.0: expected an int >= 1"):
         w.plan(*args, 8, 2, 64.0)
-    for name, value in (("max_num_pages", "x"), ("max_batch_size", -1), ("page_size", 16.0)):
-        with pytest.raises(ValueError, match=f"{name}={value!r}: expected an int >= 1"):
+    with pytest.raises(ValueError, match=r"head_dim=48: expected one of"):
+        w.plan(*args, 8, 2, 48)
+    for name, value, error in (("max_num_pages", "x", TypeError), ("page_size", 16.0, TypeError),
+                               ("max_batch_size", 0, ValueError),
+                               ("max_partial_rows", -1, ValueError)):
+        with pytest.raises(error, match=f"{name}={value!r}: expected an int >= "):
             ja.BatchDecode(variant, device="cpu", **{name: value})
+    with pytest.raises(ValueError, match=r"sm_scale=1000.*: expected a finite number > 0"):
+        ja.attention(q, k, k, variant, sm_scale=10**400)
+    # a plan that needs no partial rows, mask bytes or item tokens runs with none
+    lean = ja.BatchDecode(variant, device="cpu", max_partial_rows=0, max_mask_bytes=0,
+                          max_item_tokens=0, split_kv=False)
+    lean.plan(*args, 8, 2, 64, sm_scale=0.125)
+    torch.testing.assert_close(lean.run(q, cache), ref.run(q, cache), rtol=0, atol=0)

@@ -89,25 +89,33 @@ def test_exact_block_multiples_and_many_branches():
 
 def test_token_ids_are_checked_not_truncated():
     """Float ids were truncated (1.5 and 1 matched), a 2-D request flattened, text split into
-    characters; each is refused by name. Integer tensors and arrays give the list's groups."""
+    characters; each is refused by name and its first bad id. Integer tensors, arrays and
+    generators give the list's groups."""
     import numpy as np
     import torch
     same = list(range(40))
-    for bad, error, text in (([1.5] * 40, TypeError, r"requests\[0\] holds float64 values "
-                                                      r"\(first 1.5\)"),
+    for bad, error, text in (([1.5] * 40, TypeError, r"requests\[0\] holds 1.5 \(float64 values\)"),
                              (torch.arange(40).view(2, 20), ValueError,
                               r"requests\[0\] has shape \(2, 20\); expected a 1-D"),
                              ("some text", TypeError, r"requests\[0\] is a str"),
-                             ([2**64] * 20, TypeError, r"requests\[0\] holds object values"),
+                             ([1] + [2**64] * 20, TypeError, r"requests\[0\] holds 18446744073709551616 "
+                                                             r"\(object values\)"),
+                             ([1, None], TypeError, r"holds None \(object values\)"),
+                             ([1, True, 3] * 10, TypeError, "requests\\[0\\] holds the bool True"),
                              (torch.ones(40, dtype=torch.bool), TypeError,
                               r"requests\[0\] is a torch.bool tensor"),
-                             (np.array([2**63 + 5] * 20, dtype=np.uint64), TypeError,
-                              "fit int64")):
+                             (np.array([1, 2**63 + 5], dtype=np.uint64), TypeError,
+                              "holds 9223372036854775813; expected integer token ids that fit "
+                              "int64"),
+                             (torch.empty(40, dtype=torch.int64, device="meta"), ValueError,
+                              "requests\\[0\\] is a tensor on meta that cannot be read"),
+                             (5, TypeError, "requests\\[0\\] is a int; expected a sequence")):
         with pytest.raises(error, match=text):
             find_shared_prefixes([bad, same], 16)
     want = find_shared_prefixes([same, same + [1], same[:20]], 16)
     assert want == [PrefixGroup(16, (0, 1, 2))]  # (a tie with {0, 1} at 32: together)
-    for convert in (np.array, torch.tensor, lambda x: torch.tensor(x, dtype=torch.int32)):
+    for convert in (np.array, torch.tensor, lambda x: torch.tensor(x, dtype=torch.int32),
+                    lambda x: (t for t in x), lambda x: np.array(x, dtype=object)):
         assert find_shared_prefixes([convert(same), convert(same + [1]), convert(same[:20])],
                                     16) == want
     assert find_shared_prefixes([[], same], 16) == [PrefixGroup(0, (0,)), PrefixGroup(0, (1,))]

@@ -86,7 +86,8 @@ def test_bad_arguments():
     # the constructor checks what it passes on to BatchPrefill (plan() used to fail on it)
     for kw, error, text in (({"page_size": 16}, TypeError, r"takes no \['page_size'\]"),
                             ({"max_batch": 4}, TypeError, r"takes no \['max_batch'\]"),
-                            ({"max_num_pages": 0}, ValueError, "max_num_pages=0: expected an int"),
+                            ({"max_batch_size": 0}, ValueError,
+                             "max_batch_size=0: expected an int"),
                             ({"query_tile": "huge"}, ValueError, "query_tile='huge'")):
         with pytest.raises(error, match=text):
             SharedPrefixPrefill(variant, "ragged", device="cpu", **kw)

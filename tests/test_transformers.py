@@ -115,6 +115,20 @@ def test_cross_attention_over_a_padded_encoder_batch_matches_sdpa(q_len):
         q.float(), k.float(), v.float(), attn_mask=mask, scale=0.125).transpose(1, 2)
     torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
 
+def test_alternating_masks_keep_their_ragged_layouts():
+    """An encoder-decoder's decoder layers alternate the self- and cross-attention masks; each
+    keeps its layout (one cached mask rebuilt both, with a host sync, in every layer)."""
+    from jitattn.integrations.transformers import _unpadding, variant_for
+    causal, full = variant_for(True, None, None), variant_for(False, None, None)
+    self_mask = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()
+    cross_mask = torch.ones(2, 1, 4, 10, dtype=torch.bool)
+    cross_mask[1, :, :, 6:] = False
+    first = _unpadding(self_mask, causal), _unpadding(cross_mask, full)
+    for _ in range(3):
+        assert (_unpadding(self_mask, causal), _unpadding(cross_mask, full)) == first
+    cross_mask[0, :, :, 8:] = False  # changed in place: rebuilt
+    assert _unpadding(cross_mask, full) is not first[1]
+
 def test_gemma2_soft_cap_and_sliding_window_from_the_config(monkeypatch):
     """Gemma 2's attention: logit soft-cap 50 and a 16-token sliding window on every other
     layer, taken from what the model passes; prefill and a decode step past the window."""

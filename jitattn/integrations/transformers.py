@@ -80,17 +80,24 @@ class _Unpadding:
         self.kv_indptr = torch.cat([zero, counts[1].cumsum(0).to(torch.int32)])
 
 
-# the last mask seen, kept alive so that `is` identifies it (the model passes the same mask
-# tensor to every layer of one forward), with its ragged layout per variant
-_LAST: dict = {"mask": None, "layouts": {}}
+# the last masks seen (the model passes the same mask tensor to every layer of one forward;
+# an encoder-decoder's decoder layers alternate two: self- and cross-attention), kept alive so
+# that `is` identifies them, with their ragged layouts per variant
+_RECENT: list = []  # [mask, version, {variant: _Unpadding}], the latest first
+_RECENT_MASKS = 4
 
 
 def _unpadding(attention_mask: torch.Tensor, variant: ja.Variant) -> _Unpadding:
     # inference tensors keep no version counter; transformers builds a new mask per forward
     version = None if attention_mask.is_inference() else attention_mask._version
-    if _LAST["mask"] is not attention_mask or _LAST.get("version") != version:
-        _LAST.update(mask=attention_mask, version=version, layouts={})
-    layouts = _LAST["layouts"]
+    entry = next((e for e in _RECENT if e[0] is attention_mask), None)
+    if entry is None or entry[1] != version:
+        if entry is not None:
+            _RECENT.remove(entry)
+        entry = [attention_mask, version, {}]
+        _RECENT.insert(0, entry)
+        del _RECENT[_RECENT_MASKS:]
+    layouts = entry[2]
     if variant not in layouts:
         if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; "
