@@ -68,7 +68,9 @@ class BatchPrefill:
     Capacities of the device workspace, fixed for the wrapper's life (plan() raises ValueError
     when a batch needs more): max_batch_size requests, max_num_pages entries in kv_indices,
     max_work_items scheduled items, max_partial_rows split-KV partial states, max_mask_bytes
-    of bit-packed custom mask, max_item_tokens multi-item token positions.
+    of bit-packed custom mask, max_item_tokens multi-item token positions; ints, at least 1 for
+    max_batch_size and max_work_items, 0 or more for the others (0: plans that need none,
+    e.g. max_partial_rows=0 keeps every request in one piece).
     split_kv: let the scheduler cut long KV ranges into chunks merged afterwards.
     query_tile: "auto" (default) runs a batch whose requests all have one query, or at most 16
         packed query rows (qo_len x num_qo_heads / num_kv_heads), on the decode kernel's 16-row
@@ -357,10 +359,13 @@ def _cache_tensors(kv_cache) -> list:
 
 
 def _into(o, s, out, lse, return_lse: bool):
-    """The op's fresh outputs, copied into the caller's buffers when given."""
+    """The op's fresh outputs, copied into the caller's buffers when given (checked as in eager
+    mode: copy_ would cast a wrong dtype silently)."""
     if out is not None:
+        launch.check_output("out", out, o.shape, o.dtype, o.device)
         o = out.copy_(o)
     if lse is not None:
+        launch.check_output("lse", lse, s.shape, s.dtype, s.device)
         s = lse.copy_(s)
     return (o, s) if return_lse else o
 

@@ -14,7 +14,6 @@ hooks read neither (shared_prefix.check_strategy, as for "cascade") are accepted
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import numpy as np
 import torch
@@ -220,15 +219,9 @@ class CascadeDecode(MultiLevelCascade):
         if len(shared) and shared.min() < 0:
             raise ValueError(f"shared_kv_indices holds a negative page id ({int(shared.min())})")
         shared_pages = len(shared)
-        try:
-            last = None if isinstance(shared_last_page_len, bool) else \
-                operator.index(shared_last_page_len)
-        except TypeError:
-            last = None
-        if last is None or (shared_pages and not 1 <= last <= self.page_size):
-            raise ValueError(f"shared_last_page_len={shared_last_page_len!r}: expected an int "
-                             f"in 1 .. page_size ({self.page_size})")
-        shared_last_page_len = last
+        # (read only when there are shared pages: then it is 1 .. page_size)
+        shared_last_page_len = int_arg("shared_last_page_len", shared_last_page_len,
+                                       1 if shared_pages else 0, self.page_size)
         batch = len(unique_kv_indptr) - 1
         check_batch(np.arange(batch + 1, dtype=np.int32), unique_kv_indptr, unique_kv_indices,
                     unique_kv_last_page_len, decode=True, kv_layout=self.plain.kv_layout,

@@ -362,23 +362,28 @@ def _tensor_names(fn) -> dict:
 _TRACER = _Tracer()
 
 
-MAX_DEPTH = 200  # nested operations in one mod: each walk over an expression recurses per level
+# bounds on one traced mod: walks over an expression (building the Variant, rendering, the
+# reference) recurse once or twice per level, and visit a shared subexpression once per use
+MAX_DEPTH = 100
+MAX_OPERATIONS = 10_000
 
 
-def _depth(root: Expr) -> int:
-    """How many operations deep ``root`` is, counted without recursion (shared subexpressions
-    once)."""
-    depth: dict = {}
+def _depth_and_size(root: Expr) -> tuple:
+    """How many operations deep ``root`` is, and how many it has with every shared
+    subexpression counted once per use (as code generation writes it out), without
+    recursion."""
+    seen: dict = {}  # id -> (depth, size)
     stack = [root]
     while stack:
         e = stack[-1]
-        pending = [a for a in e.args if isinstance(a, Expr) and id(a) not in depth]
+        pending = [a for a in e.args if isinstance(a, Expr) and id(a) not in seen]
         if pending:
             stack += pending
             continue
         stack.pop()
-        depth[id(e)] = 1 + max((depth[id(a)] for a in e.args if isinstance(a, Expr)), default=0)
-    return depth[id(root)]
+        subs = [seen[id(a)] for a in e.args if isinstance(a, Expr)]
+        seen[id(e)] = (1 + max((d for d, _ in subs), default=0), 1 + sum(n for _, n in subs))
+    return seen[id(root)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -433,11 +438,13 @@ def trace(fn, kind: str) -> Traced:
     finally:
         _TRACER = outer
     out = _lift(out)
-    depth = _depth(out)
-    if depth > MAX_DEPTH:
-        raise SpecError(f"{label} (defined at {src}): the expression is {depth} operations deep, "
-                        f"more than {MAX_DEPTH} (code generation walks it recursively); a sum "
-                        f"of many terms fits as a lookup in a ja.tensor table")
+    depth, size = _depth_and_size(out)
+    if depth > MAX_DEPTH or size > MAX_OPERATIONS:
+        raise SpecError(f"{label} (defined at {src}): the expression is {depth} operations deep "
+                        f"and has {size} (a shared subexpression counted once per use); at most "
+                        f"{MAX_DEPTH} deep and {MAX_OPERATIONS} in all (code generation writes "
+                        f"it out recursively); a sum of many terms fits as a lookup in a "
+                        f"ja.tensor table")
     if kind == "mask_mod" and out.kind != "bool":
         raise SpecError(f"{label}: a mask_mod must return a bool expression (a comparison), "
                         f"got {out.kind}")

@@ -96,11 +96,7 @@ def output_buffer(name, t, shape, dtype, device, align: int = 16):
     whole 16-byte chunks of a row; lse: 4, stored a float at a time)."""
     if t is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
-        raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected "
-                         f"{tuple(shape)} {dtype} on {device}")
+    check_output(name, t, shape, dtype, device)
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
     if t.data_ptr() % align:
@@ -108,6 +104,17 @@ def output_buffer(name, t, shape, dtype, device, align: int = 16):
                          f"aligned; expected a tensor from torch.empty or a view at a "
                          f"{align}-byte offset")
     return t
+
+
+def check_output(name, t, shape, dtype, device) -> None:
+    """A caller's output buffer has the shape, dtype and device expected (output_buffer's
+    first checks; also what a traced call can check, where addresses are unknown). Raises
+    TypeError / ValueError naming it."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected "
+                         f"{tuple(shape)} {dtype} on {device}")
 
 
 def _ptr(t) -> int:

@@ -10,6 +10,7 @@ of requests, the longest block prefix they all share. See docs/sources.md, scena
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -20,32 +21,34 @@ from .args import int_arg
 
 
 def _token_array(tokens, name: str = "tokens") -> np.ndarray:
-    """One request's token ids as a 1-D int64 array: a sequence (or iterable) of ints, or a 1-D
+    """One request's token ids as a 1-D int64 array: a sequence (or iterator) of ints, or a 1-D
     integer numpy array or torch tensor (read at once, not element by element). Raises
     TypeError / ValueError naming ``name`` and the first bad id for anything else (floats,
-    bools, strings, other ranks, ids beyond int64), which would otherwise be truncated or
-    flattened into a different request."""
+    bools, strings, sets and mappings, other ranks, ids beyond int64), which would otherwise be
+    truncated, reordered or flattened into a different request."""
+    listed = None  # the ids as a Python list, when given as one (or as another iterable)
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or \
                 tokens.dtype == torch.bool:
             raise TypeError(f"{name} is a {tokens.dtype} tensor; expected integer token ids")
         try:
             tokens = tokens.detach().cpu().numpy()
-        except (NotImplementedError, RuntimeError) as e:  # e.g. a meta tensor
-            raise ValueError(f"{name} is a tensor on {tokens.device} that cannot be read: "
-                             f"{e}") from None
-    elif isinstance(tokens, (str, bytes)):
-        raise TypeError(f"{name} is a {type(tokens).__name__}; expected token ids (a tokenizer's "
-                        f"output), not text")
+        except (NotImplementedError, RuntimeError, TypeError) as e:  # meta, sparse, ...
+            raise ValueError(f"{name} is a tensor ({tokens.layout} on {tokens.device}) that "
+                             f"cannot be read as token ids: {e}") from None
+    elif isinstance(tokens, (str, bytes, Set, Mapping)):
+        raise TypeError(f"{name} is a {type(tokens).__name__}; expected a sequence of token ids "
+                        f"(a tokenizer's output), in order")
     elif not isinstance(tokens, np.ndarray):
         try:
-            tokens = list(tokens)  # (a generator is read once)
+            listed = list(tokens)  # (an iterator is read once)
         except TypeError:
             raise TypeError(f"{name} is a {type(tokens).__name__}; expected a sequence of token "
                             f"ids") from None
-        bad = next((t for t in tokens if isinstance(t, (bool, np.bool_))), None)
-        if bad is not None:
+        if not {bool, np.bool_}.isdisjoint(map(type, listed)):
+            bad = next(t for t in listed if isinstance(t, (bool, np.bool_)))
             raise TypeError(f"{name} holds the bool {bad!r}; expected integer token ids")
+        tokens = listed
     try:
         arr = np.asarray(tokens)
     except (OverflowError, ValueError) as e:  # ragged nesting
@@ -54,21 +57,23 @@ def _token_array(tokens, name: str = "tokens") -> np.ndarray:
         raise ValueError(f"{name} has shape {arr.shape}; expected a 1-D sequence of token ids")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind == "u":
+    if arr.dtype.kind == "i":
+        return arr.astype(np.int64, copy=False)
+    if arr.dtype.kind == "u" and listed is None:
         too_big = arr > np.iinfo(np.int64).max
-        if too_big.any():
-            raise TypeError(f"{name} holds {arr[too_big.argmax()].item()}; expected integer "
-                            f"token ids that fit int64")
-    elif arr.dtype.kind != "i":
-        fits = (lambda t: isinstance(t, (int, np.integer)) and not isinstance(t, bool) and
-                -2**63 <= t < 2**63)
-        bad = next((t for t in arr.tolist() if not fits(t)), fits) if arr.dtype.kind == "O" \
-            else arr[0].item()
-        if bad is fits:  # (no bad id: an object array of ints that fit)
+        if not too_big.any():
             return arr.astype(np.int64)
-        raise TypeError(f"{name} holds {bad!r} ({arr.dtype} values); expected integer token "
-                        f"ids that fit int64")
-    return arr.astype(np.int64, copy=False)
+        bad = arr[too_big.argmax()].item()
+    else:  # (a list mixing ids beyond int64 or unsigned and negative ones is float or object)
+        def fits(t):
+            return isinstance(t, (int, np.integer)) and not isinstance(t, bool) and \
+                -2**63 <= t < 2**63
+        items = listed if listed is not None else arr.tolist()
+        bad = next((t for t in items if not fits(t)), fits)
+        if bad is fits:  # (no bad id: ints that fit, e.g. an object array of them)
+            return np.array(items, dtype=np.int64)
+    raise TypeError(f"{name} holds {bad!r} ({arr.dtype} values); expected integer token ids "
+                    f"that fit int64")
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:

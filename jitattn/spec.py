@@ -154,9 +154,14 @@ class Variant:
         object.__setattr__(self, "_score", score)
         object.__setattr__(self, "_mask", mask)
         exprs = [t.expr for t in (score, mask) if t is not None]
-        object.__setattr__(self, "_params", tuple(dsl.params_of(*exprs)))
-        object.__setattr__(self, "_key", self._compute_key())
-        object.__setattr__(self, "_direct_index", tuple(_direct_indices(*exprs)))
+        try:  # (trace bounds the depth; this is for a caller already deep in the stack)
+            object.__setattr__(self, "_params", tuple(dsl.params_of(*exprs)))
+            object.__setattr__(self, "_key", self._compute_key())
+            object.__setattr__(self, "_direct_index", tuple(_direct_indices(*exprs)))
+        except RecursionError:
+            raise SpecError(f"Variant {self.name!r}: Python's recursion limit was reached "
+                            f"walking its score_mod / mask_mod (called from deep in the stack); "
+                            f"raise sys.setrecursionlimit or build the variant higher up") from None
         for hook in ON_CREATE:  # e.g. ops.py registers the variant's torch custom op
             hook(self)
 

@@ -152,6 +152,9 @@ def test_levels_covering_some_rows(shared_rows):
     ref, ref_lse = plain.run(q, cache, return_lse=True)
     torch.testing.assert_close(got, ref, **TOL[torch.float16])
     torch.testing.assert_close(got_lse, ref_lse, atol=2e-3, rtol=1e-4)
+    out, lse = torch.full_like(q, 3.0), torch.full_like(got_lse, 3.0)  # the merge writes them
+    levels.run(q, cache, out=out, lse=lse)
+    torch.testing.assert_close((out, lse), (got, got_lse), rtol=0, atol=0)
 
 
 def test_auto_takes_plain_decode_when_the_prefix_is_short():
@@ -265,8 +268,8 @@ def test_every_strategy_checks_the_plan_arguments_alike(strategy):
         (dict(shared_kv_indices=torch.tensor([0, 1])), TypeError,
          r"shared_kv_indices has dtype torch.int64"),
         (dict(shared_last_page_len=5), ValueError, r"shared_last_page_len=5: expected an int in"),
-        (dict(shared_last_page_len=2.0), ValueError, r"shared_last_page_len=2.0"),
-        (dict(shared_last_page_len=True), ValueError, r"shared_last_page_len=True"),
+        (dict(shared_last_page_len=2.0), TypeError, r"shared_last_page_len=2.0"),
+        (dict(shared_last_page_len=True), TypeError, r"shared_last_page_len=True"),
     ]
     variant = ja.Variant("plain")
     for change, error, message in bad:

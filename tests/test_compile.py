@@ -1,5 +1,6 @@
 """torch.compile(fullgraph=True) of a model that calls jitattn: one custom op, fake tensors."""
 
+import pytest
 import torch
 
 import jitattn as ja
@@ -116,3 +117,12 @@ def test_cascade_decode_compiles_fullgraph():
             got = torch.compile(lambda x: cd.run(x, cache), fullgraph=True,
                                 backend="aot_eager")(q)
             torch.testing.assert_close(got, cd.run(q, cache))
+            # out= is filled when traced too, and checked as in eager mode (copy_ would cast)
+            out = torch.empty_like(q)
+            torch.compile(lambda x, o: cd.run(x, cache, out=o), fullgraph=True,
+                          backend="aot_eager")(q, out)
+            torch.testing.assert_close(out, got, rtol=0, atol=0)
+            with pytest.raises(Exception, match=r"out is \(3, 8, 64\) torch.float32 on cpu; "
+                                                r"expected \(3, 8, 64\) torch.float16"):
+                torch.compile(lambda x, o: cd.run(x, cache, out=o), fullgraph=True,
+                              backend="aot_eager")(q, out.float())

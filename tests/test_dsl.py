@@ -198,5 +198,16 @@ def test_deep_expressions_are_a_spec_error():
     torch.testing.assert_close(ja.attention(q, k, k, variant),
                                reference.attention(q, k, k, variant).half(), atol=2e-3, rtol=2e-3)
     for n in (dsl.MAX_DEPTH + 1, 600):
-        with pytest.raises(SpecError, match="operations deep, more than 200"):
+        with pytest.raises(SpecError, match=f"at most {dsl.MAX_DEPTH} deep"):
             ja.Variant("chain", score_mod=chain(n))
+
+    def doubled(n):  # s + s, n times: n + 1 deep, 2**(n + 1) - 1 operations written out
+        def score_mod(s, b, h, q_idx, kv_idx):
+            for _ in range(n):
+                s = s + s
+            return s
+        return score_mod
+    ja.Variant("doubled", score_mod=doubled(12))
+    with pytest.raises(SpecError, match=r"15 operations deep and has 32767 .* "
+                                        r"10000 in all"):
+        ja.Variant("doubled", score_mod=doubled(14))

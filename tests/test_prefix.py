@@ -105,17 +105,20 @@ def test_token_ids_are_checked_not_truncated():
                              (torch.ones(40, dtype=torch.bool), TypeError,
                               r"requests\[0\] is a torch.bool tensor"),
                              (np.array([1, 2**63 + 5], dtype=np.uint64), TypeError,
-                              "holds 9223372036854775813; expected integer token ids that fit "
-                              "int64"),
+                              r"holds 9223372036854775813 \(uint64 values\); expected integer "
+                              r"token ids that fit int64"),
+                             ([1, 2**63], TypeError, "holds 9223372036854775808 "),
+                             ({1, 2, 3}, TypeError, "is a set; expected a sequence"),
                              (torch.empty(40, dtype=torch.int64, device="meta"), ValueError,
-                              "requests\\[0\\] is a tensor on meta that cannot be read"),
+                              r"requests\[0\] is a tensor \(torch.strided on meta\) that cannot"),
                              (5, TypeError, "requests\\[0\\] is a int; expected a sequence")):
         with pytest.raises(error, match=text):
             find_shared_prefixes([bad, same], 16)
     want = find_shared_prefixes([same, same + [1], same[:20]], 16)
     assert want == [PrefixGroup(16, (0, 1, 2))]  # (a tie with {0, 1} at 32: together)
     for convert in (np.array, torch.tensor, lambda x: torch.tensor(x, dtype=torch.int32),
-                    lambda x: (t for t in x), lambda x: np.array(x, dtype=object)):
+                    lambda x: (t for t in x), lambda x: np.array(x, dtype=object),
+                    lambda x: [np.uint64(t) for t in x]):
         assert find_shared_prefixes([convert(same), convert(same + [1]), convert(same[:20])],
                                     16) == want
     assert find_shared_prefixes([[], same], 16) == [PrefixGroup(0, (0,)), PrefixGroup(0, (1,))]

@@ -128,6 +128,13 @@ def test_alternating_masks_keep_their_ragged_layouts():
         assert (_unpadding(self_mask, causal), _unpadding(cross_mask, full)) == first
     cross_mask[0, :, :, 8:] = False  # changed in place: rebuilt
     assert _unpadding(cross_mask, full) is not first[1]
+    with torch.inference_mode():  # no version counter: reused only as the latest mask
+        a, b = torch.ones(1, 1, 4, 4, dtype=torch.bool), torch.ones(1, 1, 4, 10, dtype=torch.bool)
+        first_a = _unpadding(a, full)
+        assert _unpadding(a, full) is first_a
+        _unpadding(b, full)
+        a[0, :, :, 2:] = False
+        assert _unpadding(a, full).kv_rows.tolist() == [0, 1]
 
 def test_gemma2_soft_cap_and_sliding_window_from_the_config(monkeypatch):
     """Gemma 2's attention: logit soft-cap 50 and a 16-token sliding window on every other

@@ -21,6 +21,7 @@ not padding-shaped (e.g. packed sequences) raises ValueError.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -81,22 +82,23 @@ class _Unpadding:
 
 
 # the last masks seen (the model passes the same mask tensor to every layer of one forward;
-# an encoder-decoder's decoder layers alternate two: self- and cross-attention), kept alive so
-# that `is` identifies them, with their ragged layouts per variant
-_RECENT: list = []  # [mask, version, {variant: _Unpadding}], the latest first
+# an encoder-decoder's decoder layers alternate two: self- and cross-attention), held weakly
+# and identified by `is`, with their ragged layouts per variant
+_RECENT: list = []  # [weakref to the mask, its version, {variant: _Unpadding}], latest first
 _RECENT_MASKS = 4
 
 
 def _unpadding(attention_mask: torch.Tensor, variant: ja.Variant) -> _Unpadding:
-    # inference tensors keep no version counter; transformers builds a new mask per forward
-    version = None if attention_mask.is_inference() else attention_mask._version
-    entry = next((e for e in _RECENT if e[0] is attention_mask), None)
-    if entry is None or entry[1] != version:
-        if entry is not None:
-            _RECENT.remove(entry)
-        entry = [attention_mask, version, {}]
-        _RECENT.insert(0, entry)
-        del _RECENT[_RECENT_MASKS:]
+    # transformers builds a new mask per forward; a mask changed in place is seen by its
+    # version counter, which inference tensors lack: those are reused only as the latest mask
+    inference = attention_mask.is_inference()
+    version = None if inference else attention_mask._version
+    entry = next((e for e in _RECENT if e[0]() is attention_mask), None)
+    if entry is None or entry[1] != version or (inference and entry is not _RECENT[0]):
+        # (by identity: weak references compare their tensors)
+        kept = [e for e in _RECENT if e is not entry and e[0]() is not None]
+        entry = [weakref.ref(attention_mask), version, {}]
+        _RECENT[:] = [entry] + kept[:_RECENT_MASKS - 1]
     layouts = entry[2]
     if variant not in layouts:
         if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
