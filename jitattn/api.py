@@ -117,8 +117,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     if not isinstance(variant, Variant):
         raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
     if torch.compiler.is_compiling():  # one opaque custom op: no host reads, no graph break
-        return ops.attention_traced(q, k, v, variant, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
-                                    sm_scale=sm_scale, return_lse=return_lse, params=params)
+        o, s = ops.attention_traced(q, k, v, variant, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                                    sm_scale=sm_scale, return_lse=True, params=params)
+        return launch.into_outputs(o, s, out, lse, return_lse)
     if variant.mask in ("custom", "multi_item"):
         raise ValueError(f"variant {variant.name!r} has mask={variant.mask!r}, whose data is "
                          f"given to BatchPrefill.plan(); attention() takes none or causal")

@@ -274,7 +274,7 @@ class BatchPrefill:
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
             o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2,
                                       extra_scalars=(k_scale, v_scale))
-            return _into(o, s, out, lse, return_lse)
+            return launch.into_outputs(o, s, out, lse, return_lse)
         if type(k_scale) is not float or type(v_scale) is not float or \
                 k_scale != 1.0 or v_scale != 1.0:  # (the defaults need no check: host time)
             for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -356,18 +356,6 @@ def reject_run_kwargs(wrapper, params: dict, names=("k_scale", "v_scale")) -> No
 
 def _cache_tensors(kv_cache) -> list:
     return list(kv_cache) if isinstance(kv_cache, (tuple, list)) else [kv_cache]
-
-
-def _into(o, s, out, lse, return_lse: bool):
-    """The op's fresh outputs, copied into the caller's buffers when given (checked as in eager
-    mode: copy_ would cast a wrong dtype silently)."""
-    if out is not None:
-        launch.check_output("out", out, o.shape, o.dtype, o.device)
-        o = out.copy_(o)
-    if lse is not None:
-        launch.check_output("lse", lse, s.shape, s.dtype, s.device)
-        s = lse.copy_(s)
-    return (o, s) if return_lse else o
 
 
 class BatchDecode(BatchPrefill):

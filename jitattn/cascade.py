@@ -21,8 +21,7 @@ import torch
 from . import masks as masks_mod
 from . import launch, ops
 from .args import int_arg
-from .batch import (BatchDecode, BatchPrefill, _cache_tensors, _into, reject_run_kwargs,
-                    resolve_device)
+from .batch import BatchDecode, BatchPrefill, _cache_tensors, reject_run_kwargs, resolve_device
 from .batch_inputs import check_batch
 from .merge import merge_states_into
 from .shared_prefix import check_strategy
@@ -119,7 +118,7 @@ class MultiLevelCascade:
         reject_run_kwargs(self, params)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
             o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2)
-            return _into(o, s, out, lse, return_lse)
+            return launch.into_outputs(o, s, out, lse, return_lse)
         if self._rows is None:
             raise RuntimeError(f"{type(self).__name__}.run() called before plan() (or after a "
                                f"plan() that raised)")

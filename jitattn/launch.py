@@ -117,6 +117,19 @@ def check_output(name, t, shape, dtype, device) -> None:
                          f"{tuple(shape)} {dtype} on {device}")
 
 
+def into_outputs(o, s, out, lse, return_lse: bool):
+    """A traced op's fresh outputs (out o, lse s), copied into the caller's buffers when given,
+    which are checked as in eager mode (copy_ would cast a wrong dtype silently); returns what
+    the eager call returns."""
+    if out is not None:
+        check_output("out", out, o.shape, o.dtype, o.device)
+        o = out.copy_(o)
+    if lse is not None:
+        check_output("lse", lse, s.shape, s.dtype, s.device)
+        s = lse.copy_(s)
+    return (o, s) if return_lse else o
+
+
 def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import numbers
 import weakref
 
+import numpy as np
 import torch
 
 from .dsl import ScalarParam
@@ -35,12 +37,32 @@ def _op_name(variant: Variant) -> str:
 
 
 def _split_params(variant: Variant, params: dict) -> tuple[list, list]:
+    """The variant's runtime parameters as the ops pass them: tensors, then floats. Raises as
+    the eager call would for a missing or unexpected name (the ops pass scalars by position:
+    a gap would shift them) or a scalar that is not a number."""
+    names = set(variant.runtime_param_names)
+    if set(params) != names:
+        extra, missing = sorted(set(params) - names), sorted(names - set(params))
+        raise ValueError(f"{'unexpected' if extra else 'missing'} parameter(s) "
+                         f"{extra or missing} for variant {variant.name!r}; it takes "
+                         f"{sorted(names) or 'none'}")
     tensors, scalars = [], []
     for p in variant.params:
         if p.name not in params:
             continue  # captured: bound by the op's own variant
-        (scalars if isinstance(p, ScalarParam) else tensors).append(params[p.name])
-    return tensors, [float(x) for x in scalars]
+        x = params[p.name]
+        if isinstance(p, ScalarParam):
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Real, torch.SymFloat,
+                                                                     torch.SymInt)):
+                raise TypeError(f"parameter {p.name!r} must be a Python number, got "
+                                f"{type(x).__name__}")
+            scalars.append(float(x))
+        else:
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"parameter {p.name!r} must be a torch.Tensor, got "
+                                f"{type(x).__name__}")
+            tensors.append(x)
+    return tensors, scalars
 
 
 def attention_op(variant: Variant):
@@ -62,7 +84,7 @@ def attention_op(variant: Variant):
         return attention(q, k, v, variant, sm_scale=sm_scale, return_lse=True, **kw, **params)
 
     def fake(q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
-        return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+        return _fresh_outputs(q)
 
     op = torch.library.custom_op(name, impl, mutates_args=(), schema=_SCHEMA)
     op.register_fake(fake)
@@ -74,8 +96,18 @@ def attention_op(variant: Variant):
 ON_CREATE.append(attention_op)
 
 
+def _fresh_outputs(q) -> list:
+    """What the ops return, as the fake kernels describe it: contiguous out in q's shape and
+    dtype (whatever q's strides) and lse [tokens, heads] float32."""
+    return [torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            q.new_empty(q.shape[:2], dtype=torch.float32)]
+
+
 def attention_traced(q, k, v, variant, *, qo_indptr, kv_indptr, sm_scale, return_lse, params):
-    """``jitattn.attention`` while torch.compile traces: no host reads, one custom op."""
+    """``jitattn.attention`` while torch.compile traces: no host reads, one custom op.
+    Raises as the eager call does for indptrs given alone and for parameter names."""
+    if (qo_indptr is None) != (kv_indptr is None):  # (impl would drop a lone kv_indptr)
+        raise ValueError("qo_indptr and kv_indptr must be given together (or neither)")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     tensors, scalars = _split_params(variant, params)
@@ -108,8 +140,7 @@ def _wrapper_run_impl(handle, q, inputs, tensors, scalars, num_outputs):
 
 
 def _wrapper_run_fake(handle, q, inputs, tensors, scalars, num_outputs):
-    outs = [torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)]
-    return outs[:num_outputs]
+    return _fresh_outputs(q)[:num_outputs]
 
 
 _wrapper_run = torch.library.custom_op(
@@ -130,11 +161,6 @@ def wrapper_traced(wrapper, q, inputs, params, *, num_outputs: int, extra_scalar
     """A wrapper's run() while torch.compile traces: one wrapper_run op on its handle.
     extra_scalars: floats passed after the params to the wrapper's _run_eager. Raises as the
     eager run() would when params miss one of the variant's or add another."""
-    names = set(wrapper.variant.runtime_param_names)
-    if set(params) != names:  # the op passes scalars by position: a gap would shift them
-        raise ValueError(f"missing parameter(s) {sorted(names - set(params))} / unexpected "
-                         f"{sorted(set(params) - names)} for variant "
-                         f"{wrapper.variant.name!r}; it takes {sorted(names)}")
     tensors, scalars = _split_params(wrapper.variant, params)
     return _wrapper_run(wrapper._handle, q, list(inputs), tensors,
                         list(scalars) + [float(x) for x in extra_scalars], num_outputs)

@@ -341,7 +341,7 @@ class SharedPrefixPrefill:
                 if t.dtype != dtype:
                     raise TypeError(f"{name} has dtype {t.dtype}; the plan was made for {dtype} "
                                     f"(plan(..., q_dtype=) sets it)")
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (contiguous, as q may not be)
         unique_lse = None
         whole = slice(0, total)  # rows or keys of the whole layout: the tensors themselves
         for name, rows, kind, keys in self._steps:

@@ -1,5 +1,7 @@
 """torch.compile(fullgraph=True) of a model that calls jitattn: one custom op, fake tensors."""
 
+import functools
+
 import pytest
 import torch
 
@@ -126,3 +128,28 @@ def test_cascade_decode_compiles_fullgraph():
                                                 r"expected \(3, 8, 64\) torch.float16"):
                 torch.compile(lambda x, o: cd.run(x, cache, out=o), fullgraph=True,
                               backend="aot_eager")(q, out.float())
+
+
+def test_traced_attention_matches_eager_semantics():
+    """Under torch.compile: out= / lse= are filled (they were left untouched) and checked; a
+    permuted q gives a contiguous out as in eager mode (the fake kernel claimed q's strides, so
+    a .view after it failed); a lone kv_indptr and an unknown parameter raise (the first was
+    dropped, giving the single-request answer, the second ignored)."""
+    gen = torch.Generator().manual_seed(11)
+    variant = ja.Variant("traced_semantics", mask="causal")
+    q = torch.randn(4, 7, 64, generator=gen).half().transpose(0, 1)  # [7, 4, 64], permuted
+    k, v = (torch.randn(7, 2, 64, generator=gen).half() for _ in range(2))
+    eager_o, eager_lse = ja.attention(q, k, v, variant, return_lse=True)
+    compile = functools.partial(torch.compile, fullgraph=True, backend="aot_eager")
+    with torch.inference_mode():
+        out, lse = torch.zeros_like(eager_o), torch.zeros_like(eager_lse)
+        got = compile(lambda q, o, s: ja.attention(q, k, v, variant, out=o, lse=s))(q, out, lse)
+        torch.testing.assert_close((got, out, lse), (eager_o, eager_o, eager_lse), rtol=0, atol=0)
+        flat = compile(lambda q: ja.attention(q, k, v, variant).view(7, 256))(q)
+        torch.testing.assert_close(flat, eager_o.view(7, 256), rtol=0, atol=0)
+        for kwargs, text in ((dict(out=out.float()), r"out is \(7, 4, 64\) torch.float32"),
+                             (dict(kv_indptr=torch.tensor([0, 7], dtype=torch.int32)),
+                              "qo_indptr and kv_indptr must be given together"),
+                             (dict(capp=3.0), r"unexpected parameter\(s\) \['capp'\]")):
+            with pytest.raises(Exception, match=text):  # (Dynamo may wrap the error)
+                compile(lambda q: ja.attention(q, k, v, variant, **kwargs))(q)
