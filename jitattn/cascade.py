@@ -8,7 +8,7 @@ The query rows of every level index the same q [total_q, heads, head_dim]; each 
 qo_indptr groups them (a level need not contain every row). Levels other than the last attend
 without a mask (their keys all precede their queries); the last level uses the variant's own
 mask. Packing renumbers requests and moves queries to other positions, so only variants whose
-hooks read neither (shared_prefix.check_strategy, as for "cascade") are accepted.
+hooks read neither (shared_prefix.layout_features is empty, as for its "cascade") are accepted.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .args import int_arg
 from .batch import BatchDecode, BatchPrefill, _cache_tensors, reject_run_kwargs, resolve_device
 from .batch_inputs import check_batch
 from .merge import merge_states_into
-from .shared_prefix import check_strategy
+from .shared_prefix import layout_features
 from .spec import Variant
 
 
@@ -40,7 +40,13 @@ class MultiLevelCascade:
         if variant.mask not in ("none", "causal"):
             raise ValueError(f"cascade levels take variants with mask 'none' or 'causal', got "
                              f"{variant.mask!r}")
-        check_strategy(variant, "cascade")
+        depends = layout_features(variant)
+        if depends:  # (SharedPrefixPrefill's cascade strategy has the same limits)
+            raise ValueError(
+                f"{type(self).__name__} merges levels that each number their own requests and "
+                f"keys, so it cannot run variant {variant.name!r}, whose hooks depend on "
+                f"{sorted(depends)} (positions: q_idx / kv_idx, RoPE or a window; request: b); "
+                f"use BatchDecode over each request's full page table")
         shared = dataclasses.replace(variant, mask="none")
         self.variant, self.device, self.page_size = variant, resolve_device(device), page_size
         self.levels = [BatchPrefill(shared if i < num_levels - 1 else variant,

@@ -13,10 +13,14 @@ from .spec import Variant
 
 
 def load_file(path: str | Path) -> ModuleType:
-    """Import a variant file as a module (its name: ``jitattn_variant_<stem>``)."""
+    """Import a variant file as a module (its name: ``jitattn_variant_<stem>``). Raises
+    FileNotFoundError (naming the built-in file when ``path`` is a built-in variant's name)
+    or whatever the file raises (SpecError for a Variant it cannot build)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"variant file {str(path)!r} does not exist")
+        shipped = env.variants_dir() / f"{path.name}.py"
+        hint = f" (the built-in variant {path.name!r} is {shipped})" if shipped.is_file() else ""
+        raise FileNotFoundError(f"variant file {str(path)!r} does not exist{hint}")
     name = f"jitattn_variant_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

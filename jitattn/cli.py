@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import __version__, build, catalog, env, jit, render
 from .cache import Cache
+from .dsl import SpecError
 
 
 def _doctor(args) -> int:
@@ -100,6 +101,9 @@ def _compile(args) -> int:
         module = catalog.load_file(args.variant_file)
     except FileNotFoundError as e:
         print(f"jitattn compile: {e}", file=sys.stderr)
+        return 2
+    except SpecError as e:  # a Variant the file builds at import (no traceback: it is named)
+        print(f"jitattn compile: {args.variant_file}: {e}", file=sys.stderr)
         return 2
     try:
         variants = catalog.variants_in(module)

@@ -437,7 +437,11 @@ def trace(fn, kind: str) -> Traced:
                         f"ja.* functions are supported") from e
     finally:
         _TRACER = outer
-    out = _lift(out)
+    try:
+        out = _lift(out)
+    except SpecError as e:  # e.g. the mod returned None
+        raise SpecError(f"{label} (defined at {src}) returned something other than an "
+                        f"expression: {e}") from None
     depth, size = _depth_and_size(out)
     if depth > MAX_DEPTH or size > MAX_OPERATIONS:
         raise SpecError(f"{label} (defined at {src}): the expression is {depth} operations deep "

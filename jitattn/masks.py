@@ -42,7 +42,9 @@ def mask_arrays(mode: str, masks: dict, qo_lens, kv_lens, cap: dict) -> dict:
             flat = masks["custom_mask"]
             if not isinstance(flat, torch.Tensor) or flat.dtype != torch.bool or \
                     flat.dim() != 1:
-                raise TypeError("custom_mask must be a 1-D torch.bool tensor")
+                raise TypeError("custom_mask must be a 1-D torch.bool tensor: each request's "
+                                "[qo_len, kv_len] mask flattened row-major, concatenated over "
+                                "the requests")
             if flat.numel() != sizes.sum():
                 raise ValueError(f"custom_mask has {flat.numel()} entries; expected "
                                  f"sum(qo_len * kv_len) = {int(sizes.sum())}")

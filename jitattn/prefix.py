@@ -43,8 +43,10 @@ def _token_array(tokens, name: str = "tokens") -> np.ndarray:
         try:
             listed = list(tokens)  # (an iterator is read once)
         except TypeError:
-            raise TypeError(f"{name} is a {type(tokens).__name__}; expected a sequence of token "
-                            f"ids") from None
+            hint = " (requests is a list of requests: one request's ids are [ids])" \
+                if isinstance(tokens, (int, np.integer)) else ""
+            raise TypeError(f"{name} is {tokens!r}, of type {type(tokens).__name__}; expected a "
+                            f"sequence of token ids{hint}") from None
         if not {bool, np.bool_}.isdisjoint(map(type, listed)):
             bad = next(t for t in listed if isinstance(t, (bool, np.bool_)))
             raise TypeError(f"{name} holds the bool {bad!r}; expected integer token ids")

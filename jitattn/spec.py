@@ -8,6 +8,7 @@ runtime data).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
@@ -24,6 +25,10 @@ from .args import int_arg
 from .dsl import ScalarParam, SpecError, TensorParam
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+# the keywords of attention() and the wrappers' run(), which a misspelling turns into an
+# unexpected variant parameter
+_CALL_KEYWORDS = ("return_lse", "sm_scale", "out", "lse", "qo_indptr", "kv_indptr", "k_scale",
+                  "v_scale")
 
 MASKS = ("none", "causal", "custom", "multi_item")
 #: Called with every new Variant (ops.py registers torch custom ops here, so that nothing has
@@ -225,6 +230,9 @@ class Variant:
         extra, missing = set(params) - expected, expected - set(params)
         if extra:
             hint = " (the softmax scale is the sm_scale= argument)" if "scale" in extra else ""
+            for name in sorted(extra):  # a misspelt keyword of the call lands here
+                close = difflib.get_close_matches(name, _CALL_KEYWORDS + tuple(expected), n=1)
+                hint += f"; did you mean {close[0]}=?" if close else ""
             raise ValueError(f"unexpected parameter(s) {sorted(extra)} for variant "
                              f"{self.name!r}; it takes {sorted(expected) or 'none'}{hint}")
         if missing:

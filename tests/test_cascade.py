@@ -89,7 +89,8 @@ def test_three_levels_system_prompt_fewshot_history():
 
 
 def test_position_reading_variants_are_refused():
-    with pytest.raises(ValueError, match=r"depend on \['positions'\]"):
+    with pytest.raises(ValueError, match=r"CascadeDecode merges levels .* depend on "
+                                         r"\['positions'\] .* use BatchDecode"):
         ja.CascadeDecode(ja.Variant("w", window_left=8), device="cpu")
     with pytest.raises(RuntimeError, match="before plan"):
         ja.MultiLevelCascade(ja.Variant("c"), 2, device="cpu").run(torch.zeros(1, 4, 64), None)

@@ -60,6 +60,19 @@ def test_compile_cuda(capsys):
 def test_compile_missing_file(capsys):
     assert cli.main(["compile", "no/such/variant.py", "--cpu"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert cli.main(["compile", "alibi", "--cpu"]) == 2  # a built-in variant's name
+    assert "(the built-in variant 'alibi' is " in capsys.readouterr().err
+
+
+def test_compile_reports_a_variant_the_file_cannot_build(tmp_path, capsys):
+    """A file whose Variant(...) raises SpecError at import: one line naming the file (it was a
+    traceback)."""
+    path = tmp_path / "typo.py"
+    path.write_text("import jitattn as ja\n\nvariant = ja.Variant('t', mask='casual')\n")
+    assert cli.main(["compile", str(path), "--cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"jitattn compile: {path}: Variant mask='casual': expected one of " \
+        f"('none', 'causal', 'custom', 'multi_item')\n"
 
 
 def test_compile_names_a_make_it_cannot_call(tmp_path, capsys):

@@ -166,6 +166,18 @@ def test_lse_needs_only_float_alignment():
     assert torch.equal(out, want_out)
 
 
+def test_a_misspelt_keyword_is_named():
+    """A misspelt keyword of the call lands among the variant's parameters: say which."""
+    q, k = torch.randn(2, 4, 64).half(), torch.randn(3, 2, 64).half()
+    with pytest.raises(ValueError, match=r"unexpected parameter\(s\) \['retrun_lse'\] for "
+                                         r"variant 'plain'; it takes none; did you mean "
+                                         r"return_lse=\?"):
+        ja.attention(q, k, k, ja.Variant("plain"), retrun_lse=True)
+    with pytest.raises(ja.SpecError, match=r"returned something other than an expression: "
+                                           r"cannot use NoneType"):
+        ja.Variant("none", score_mod=lambda s, b, h, q_idx, kv_idx: None)
+
+
 def test_numpy_numbers_are_numbers_and_counts_are_checked_up_front():
     """numpy ints / floats were refused with a wrong reason ("expected an int >= 1", "expected
     a finite number > 0"); head_dim=64.0 passed plan() and failed inside run(); capacities were

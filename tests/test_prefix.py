@@ -111,7 +111,9 @@ def test_token_ids_are_checked_not_truncated():
                              ({1, 2, 3}, TypeError, "is a set; expected a sequence"),
                              (torch.empty(40, dtype=torch.int64, device="meta"), ValueError,
                               r"requests\[0\] is a tensor \(torch.strided on meta\) that cannot"),
-                             (5, TypeError, "requests\\[0\\] is a int; expected a sequence")):
+                             (5, TypeError, r"requests\[0\] is 5, of type int; expected a "
+                                            r"sequence of token ids \(requests is a list of "
+                                            r"requests")):
         with pytest.raises(error, match=text):
             find_shared_prefixes([bad, same], 16)
     want = find_shared_prefixes([same, same + [1], same[:20]], 16)
