@@ -20,7 +20,7 @@ from typing import Callable, Literal
 import numpy as np
 import torch
 
-from . import dsl
+from . import dsl, tracing
 from .args import int_arg
 from .dsl import ScalarParam, SpecError, TensorParam
 
@@ -130,8 +130,8 @@ class Variant:
     mask_mod: Callable | None = None
     pos_encoding: RoPE | None = None
     reduction: Literal["softmax", "sigmoid"] = "softmax"
-    _score: dsl.Traced | None = field(init=False, repr=False, default=None)
-    _mask: dsl.Traced | None = field(init=False, repr=False, default=None)
+    _score: tracing.Traced | None = field(init=False, repr=False, default=None)
+    _mask: tracing.Traced | None = field(init=False, repr=False, default=None)
     _params: tuple = field(init=False, repr=False, default=())
     _key: str = field(init=False, repr=False, default="")
     _direct_index: tuple = field(init=False, repr=False, default=())
@@ -154,13 +154,13 @@ class Variant:
         object.__setattr__(self, "window_left", None if w == -1 else w)
         if self.pos_encoding is not None and not isinstance(self.pos_encoding, RoPE):
             raise SpecError(f"Variant pos_encoding={self.pos_encoding!r}: expected ja.RoPE(...)")
-        score = dsl.trace(self.score_mod, "score_mod") if self.score_mod is not None else None
-        mask = dsl.trace(self.mask_mod, "mask_mod") if self.mask_mod is not None else None
+        score = tracing.trace(self.score_mod, "score_mod") if self.score_mod is not None else None
+        mask = tracing.trace(self.mask_mod, "mask_mod") if self.mask_mod is not None else None
         object.__setattr__(self, "_score", score)
         object.__setattr__(self, "_mask", mask)
         exprs = [t.expr for t in (score, mask) if t is not None]
         try:  # (trace bounds the depth; this is for a caller already deep in the stack)
-            object.__setattr__(self, "_params", tuple(dsl.params_of(*exprs)))
+            object.__setattr__(self, "_params", tuple(tracing.params_of(*exprs)))
             object.__setattr__(self, "_key", self._compute_key())
             object.__setattr__(self, "_direct_index", tuple(_direct_indices(*exprs)))
         except RecursionError:
@@ -196,11 +196,11 @@ class Variant:
 
     # -- parameters -------------------------------------------------------------------------------
     @property
-    def score(self) -> dsl.Traced | None:
+    def score(self) -> tracing.Traced | None:
         return self._score
 
     @property
-    def mask_pred(self) -> dsl.Traced | None:
+    def mask_pred(self) -> tracing.Traced | None:
         return self._mask
 
     @property

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import jitattn as ja
-from jitattn import dsl
+from jitattn import dsl, tracing
 from jitattn.evaluate import evaluate
 from jitattn.dsl import SpecError
 
 
 def trace_score(fn):
-    return dsl.trace(fn, "score_mod")
+    return tracing.trace(fn, "score_mod")
 
 
 def test_softcap_emits_tanh_with_constant():
@@ -28,7 +28,7 @@ def test_scalar_and_tensor_params_are_collected_once():
     def mod(score, b, h, q_idx, kv_idx):
         return cap * ja.tanh(score / cap) + slopes[h] * (kv_idx - q_idx)
     t = trace_score(mod)
-    names = [p.name for p in dsl.params_of(t.expr)]
+    names = [p.name for p in tracing.params_of(t.expr)]
     assert names == ["cap", "slopes"]
     assert "ja_clampi(h, p.jap_slopes_d0)" in t.cpp
 
@@ -63,14 +63,14 @@ def test_captured_torch_tensor_becomes_runtime_param():
     def mod(score, b, h, q_idx, kv_idx):
         return score + table[h, ja.minimum(ja.maximum(kv_idx - q_idx, -4), 4) + 4]
     t = trace_score(mod)
-    (p,) = dsl.params_of(t.expr)
+    (p,) = tracing.params_of(t.expr)
     assert p.captured is table and p.shape == (4, 9) and p.name == "score_captured0"
     assert p.display == "table (score_captured0)"  # the user's name, in messages
 
 
 def test_mask_mod_must_return_bool():
     with pytest.raises(SpecError, match="must return a bool"):
-        dsl.trace(lambda b, h, q, k: q - k, "mask_mod")
+        tracing.trace(lambda b, h, q, k: q - k, "mask_mod")
 
 
 def test_data_dependent_if_points_to_where():
@@ -84,7 +84,7 @@ def test_data_dependent_if_points_to_where():
 
 def test_python_and_min_are_rejected():
     with pytest.raises(SpecError, match="ja.where"):
-        dsl.trace(lambda b, h, q, k: (q >= k) and (q - k < 4), "mask_mod")
+        tracing.trace(lambda b, h, q, k: (q >= k) and (q - k < 4), "mask_mod")
     with pytest.raises(SpecError):
         trace_score(lambda s, b, h, q, k: s + min(q, k))
 
@@ -100,7 +100,7 @@ def test_wrong_arity():
     with pytest.raises(SpecError, match="5 positional arguments"):
         trace_score(lambda s, b, h: s)
     with pytest.raises(SpecError, match="4 positional arguments"):
-        dsl.trace(lambda s, b, h, q, k: True, "mask_mod")
+        tracing.trace(lambda s, b, h, q, k: True, "mask_mod")
 
 
 def test_tensor_indexed_by_float_or_wrong_rank():
@@ -141,7 +141,7 @@ def test_errors_name_the_function_and_its_arguments():
     with pytest.raises(SpecError, match=rf"mask_mod 'branchy' \(defined at .*test_dsl.py:\d+; "
                                         rf"failing line test_dsl.py:{line} `return q_idx >= kv_idx "
                                         rf"if near > 3 else True`\)"):
-        dsl.trace(branchy, "mask_mod")
+        tracing.trace(branchy, "mask_mod")
 
 
 def test_float32_overflow_constant_is_rejected():
@@ -192,13 +192,13 @@ def test_deep_expressions_are_a_spec_error():
                 s = s + bias[(kv_idx + i) % 64]
             return s
         return score_mod
-    variant = ja.Variant("chain", score_mod=chain(dsl.MAX_DEPTH - 5))
+    variant = ja.Variant("chain", score_mod=chain(tracing.MAX_DEPTH - 5))
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(n, 2, 64, generator=gen).half() for n in (3, 5, 5))
     torch.testing.assert_close(ja.attention(q, k, k, variant),
                                reference.attention(q, k, k, variant).half(), atol=2e-3, rtol=2e-3)
-    for n in (dsl.MAX_DEPTH + 1, 600):
-        with pytest.raises(SpecError, match=f"at most {dsl.MAX_DEPTH} deep"):
+    for n in (tracing.MAX_DEPTH + 1, 600):
+        with pytest.raises(SpecError, match=f"at most {tracing.MAX_DEPTH} deep"):
             ja.Variant("chain", score_mod=chain(n))
 
     def doubled(n):  # s + s, n times: n + 1 deep, 2**(n + 1) - 1 operations written out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import jitattn as ja
-from jitattn import dsl, emit, env
+from jitattn import dsl, emit, env, tracing
 
 R = emit._SYMBOL_RANGE
 CORNERS = dict(b=(0, 5, R["b"][1]), h=(0, 3, R["h"][1]),
@@ -65,7 +65,7 @@ def _fixed(mod):
     def mask(b, h, q_idx, kv_idx):
         holder.append(dsl._lift(mod(b, h, q_idx, kv_idx)))
         return holder[0] == holder[0]
-    dsl.trace(mask, "mask_mod")
+    tracing.trace(mask, "mask_mod")
     return holder[0]
 
 
@@ -88,7 +88,7 @@ def _expressions(n, seed=0):
             e = dsl._lift(_random_expr(rng, dict(b=b, h=h, q_idx=q_idx, kv_idx=kv_idx), 4))
             holder.append(e)
             return e == e
-        dsl.trace(mod, "mask_mod")
+        tracing.trace(mod, "mask_mod")
         e = holder[0]
         if e.kind != "int":
             continue
@@ -130,11 +130,11 @@ def test_random_int_expressions_are_exact_in_cpp(tmp_path):
 
 def test_int_range_of_alibi_and_of_a_square():
     slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
-    alibi = dsl.trace(lambda s, b, h, q, k: s + slopes[h] * (k - q), "score_mod").expr
+    alibi = tracing.trace(lambda s, b, h, q, k: s + slopes[h] * (k - q), "score_mod").expr
     diff = alibi.args[1].args[1]
     assert emit.int_range(diff) == (-R["q_idx"][1], R["kv_idx"][1] - R["q_idx"][0])
     assert emit.narrow(diff) and all(emit.narrow(_fixed(mod)) for mod in FIXED)
-    square = dsl.trace(lambda s, b, h, q, k: s + k * k, "score_mod").expr.args[1]
+    square = tracing.trace(lambda s, b, h, q, k: s + k * k, "score_mod").expr.args[1]
     assert not emit.narrow(square) and "((long long)kv_idx) * ((long long)kv_idx)" in \
         emit.emit_cpp(square)
 

@@ -1,0 +1,201 @@
+"""Python mods -> traced expressions: ``trace`` calls a ``score_mod`` / ``mask_mod`` once on the
+symbols of dsl.py, bounds what it built (depth and size: the walks over an expression recurse)
+and names the line it could not trace; ``params_of`` lists the runtime parameters an expression
+reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import dtypes
+from .dsl import SYMBOLS, Expr, SpecError, TensorParam, _lift
+from .emit import emit_cpp
+
+
+def _offending_line(error: BaseException) -> str:
+    """'; file:line: `code`' of the innermost frame of user code (outside jitattn, torch and
+    numpy) in the error's traceback: the line whose construct could not be traced. '' when
+    there is none."""
+    libraries = tuple(str(Path(m.__file__).resolve().parent) for m in (dtypes, torch, np))
+    user = [f for f in traceback.extract_tb(error.__traceback__)
+            if not str(Path(f.filename).resolve()).startswith(libraries)]
+    if not user:
+        return ""
+    f = user[-1]
+    code = f" `{f.line.strip()}`" if f.line else ""
+    return f"; failing line {Path(f.filename).name}:{f.lineno}{code}"
+
+
+@dataclass
+class _Tracer:
+    prefix: str = "captured"
+    captured: list = field(default_factory=list)
+    names: dict = field(default_factory=dict)  # id(tensor) -> the Python name it was found by
+
+    def capture(self, t: torch.Tensor) -> TensorParam:
+        for p in self.captured:
+            if p.captured is t:
+                return p
+        if t.dtype not in dtypes.TAG or t.dim() == 0:
+            raise SpecError(f"captured tensor of dtype {t.dtype} and shape {tuple(t.shape)} "
+                            f"cannot be indexed in a variant; expected one of "
+                            f"{list(dtypes.FROM_NAME)} with at least one dimension")
+        p = TensorParam(f"{self.prefix}{len(self.captured)}", tuple(t.shape), t.dtype, t,
+                        label=self.names.get(id(t)))
+        self.captured.append(p)
+        return p
+
+
+def _tensor_names(fn) -> dict:
+    """id(tensor) -> name for the tensors fn reaches by closure or as globals, so that errors
+    about a captured tensor use the user's name for it."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    found = {}
+    for var, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), var)
+    for var in code.co_names:
+        value = getattr(fn, "__globals__", {}).get(var)
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), var)
+    return found
+
+
+_TRACER = _Tracer()  # the trace in progress (captured tensors get its parameter names)
+
+
+def current() -> _Tracer:
+    """The trace in progress, which dsl.Expr asks to capture a tensor indexed by symbols."""
+    return _TRACER
+
+
+# bounds on one traced mod: walks over an expression (building the Variant, rendering, the
+# reference) recurse once or twice per level, and visit a shared subexpression once per use
+MAX_DEPTH = 100
+MAX_OPERATIONS = 10_000
+
+
+def _depth_and_size(root: Expr) -> tuple:
+    """How many operations deep ``root`` is, and how many it has with every shared
+    subexpression counted once per use (as code generation writes it out), without
+    recursion."""
+    seen: dict = {}  # id -> (depth, size)
+    stack = [root]
+    while stack:
+        e = stack[-1]
+        pending = [a for a in e.args if isinstance(a, Expr) and id(a) not in seen]
+        if pending:
+            stack += pending
+            continue
+        stack.pop()
+        subs = [seen[id(a)] for a in e.args if isinstance(a, Expr)]
+        seen[id(e)] = (1 + max((d for d, _ in subs), default=0), 1 + sum(n for _, n in subs))
+    return seen[id(root)]
+
+
+@dataclass(frozen=True, eq=False)
+class Traced:
+    """A traced mod: its expression, the function's name and where it was defined."""
+
+    expr: Expr
+    fn_name: str
+    source: str  # "file.py:line" of the Python definition, for error reports
+
+    @property
+    def cpp(self) -> str:
+        return emit_cpp(self.expr)
+
+
+def trace(fn, kind: str) -> Traced:
+    """Trace ``fn`` as a ``"score_mod"`` (5 args, float result) or ``"mask_mod"`` (4 args,
+    bool result). Raises SpecError for anything the DSL cannot express."""
+    global _TRACER
+    names = SYMBOLS if kind == "score_mod" else SYMBOLS[1:]
+    if not callable(fn):
+        raise SpecError(f"{kind} must be callable, got {type(fn).__name__}")
+    label = f"{kind} {getattr(fn, '__name__', fn)!r}"
+    try:
+        inspect.signature(fn).bind(*names)
+    except TypeError:
+        try:
+            params = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            params = []
+        raise SpecError(f"{label} must accept {len(names)} positional arguments "
+                        f"({', '.join(names)}); it takes ({', '.join(params)})") from None
+    except ValueError:
+        pass  # builtins without signatures: try the call
+    args = [Expr("sym", (n,), "float" if n == "score" else "int") for n in names]
+    outer, _TRACER = _TRACER, _Tracer(prefix=kind.split("_")[0] + "_captured",
+                                      names=_tensor_names(fn))
+    try:
+        src = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        src = "<unknown>"
+    try:
+        out = fn(*args)
+    except SpecError as e:
+        raise SpecError(f"{label} (defined at {src}{_offending_line(e)}): {e}") from None
+    except RecursionError:
+        raise SpecError(f"{label} (defined at {src}): expression too deeply nested") from None
+    except Exception as e:  # noqa: BLE001 -- any failure inside user code is a spec problem
+        raise SpecError(f"{label} (defined at {src}) could not be traced: "
+                        f"{type(e).__name__}: {e}. Only arithmetic, comparisons, &|~ and the "
+                        f"ja.* functions are supported") from e
+    finally:
+        _TRACER = outer
+    try:
+        out = _lift(out)
+    except SpecError as e:  # e.g. the mod returned None
+        raise SpecError(f"{label} (defined at {src}) returned something other than an "
+                        f"expression: {e}") from None
+    depth, size = _depth_and_size(out)
+    if depth > MAX_DEPTH or size > MAX_OPERATIONS:
+        raise SpecError(f"{label} (defined at {src}): the expression is {depth} operations deep "
+                        f"and has {size} (a shared subexpression counted once per use); at most "
+                        f"{MAX_DEPTH} deep and {MAX_OPERATIONS} in all (code generation writes "
+                        f"it out recursively); a sum of many terms fits as a lookup in a "
+                        f"ja.tensor table")
+    if kind == "mask_mod" and out.kind != "bool":
+        raise SpecError(f"{label}: a mask_mod must return a bool expression (a comparison), "
+                        f"got {out.kind}")
+    if kind == "score_mod" and out.kind == "bool":
+        raise SpecError(f"{label}: a score_mod must return a number, got a bool expression; "
+                        "use mask_mod for visibility")
+    return Traced(out, getattr(fn, "__name__", "mod"), src)
+
+
+def params_of(*exprs: Expr) -> list:
+    """Scalar and tensor parameters referenced by ``exprs``, in first-use order, one per name.
+
+    Raises SpecError when one name is used for two different parameters."""
+    found: dict = {}
+
+    def walk(e):
+        if e.op in ("scalar", "index"):
+            p = e.args[0]
+            prev = found.setdefault(p.name, p)
+            if prev is not p and (type(prev) is not type(p) or isinstance(p, TensorParam)
+                                  and (prev.signature != p.signature or prev.captured is not
+                                       p.captured)):
+                raise SpecError(f"parameter name {p.name!r} is used for two different "
+                                f"parameters ({prev} and {p})")
+        for a in e.args:
+            if isinstance(a, Expr):
+                walk(a)
+    for e in exprs:
+        walk(e)
+    return list(found.values())
