@@ -40,12 +40,7 @@ def _split_params(variant: Variant, params: dict) -> tuple[list, list]:
     """The variant's runtime parameters as the ops pass them: tensors, then floats. Raises as
     the eager call would for a missing or unexpected name (the ops pass scalars by position:
     a gap would shift them) or a scalar that is not a number."""
-    names = set(variant.runtime_param_names)
-    if set(params) != names:
-        extra, missing = sorted(set(params) - names), sorted(names - set(params))
-        raise ValueError(f"{'unexpected' if extra else 'missing'} parameter(s) "
-                         f"{extra or missing} for variant {variant.name!r}; it takes "
-                         f"{sorted(names) or 'none'}")
+    variant.check_param_names(params)
     tensors, scalars = [], []
     for p in variant.params:
         if p.name not in params:

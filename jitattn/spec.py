@@ -218,6 +218,23 @@ class Variant:
         return tuple(p.name for p in self._params
                      if not (isinstance(p, TensorParam) and p.captured is not None))
 
+    def check_param_names(self, params: dict) -> None:
+        """Raises ValueError unless ``params`` names exactly the runtime parameters (a missing
+        one, or an unexpected one: a misspelt keyword of the call lands here and is named)."""
+        expected = set(self.runtime_param_names)
+        extra, missing = set(params) - expected, expected - set(params)
+        if extra:
+            hint = " (the softmax scale is the sm_scale= argument)" if "scale" in extra else ""
+            for name in sorted(extra) if not torch.compiler.is_compiling() else ():
+                # (difflib is not traceable: the hint is eager mode's)
+                close = difflib.get_close_matches(name, _CALL_KEYWORDS + tuple(expected), n=1)
+                hint += f"; did you mean {close[0]}=?" if close else ""
+            raise ValueError(f"unexpected parameter(s) {sorted(extra)} for variant "
+                             f"{self.name!r}; it takes {sorted(expected) or 'none'}{hint}")
+        if missing:
+            raise ValueError(f"missing parameter(s) {sorted(missing)} for variant "
+                             f"{self.name!r}; it takes {sorted(expected)}")
+
     def bind(self, params: dict, *, device: torch.device, sizes: dict) -> dict:
         """Check and bind runtime parameters. ``sizes`` maps SHAPE_SYMBOLS to ints.
 
@@ -226,18 +243,7 @@ class Variant:
         """
         if not params and not self._params:  # most variants: nothing to bind (host time)
             return {}
-        expected = set(self.runtime_param_names)
-        extra, missing = set(params) - expected, expected - set(params)
-        if extra:
-            hint = " (the softmax scale is the sm_scale= argument)" if "scale" in extra else ""
-            for name in sorted(extra):  # a misspelt keyword of the call lands here
-                close = difflib.get_close_matches(name, _CALL_KEYWORDS + tuple(expected), n=1)
-                hint += f"; did you mean {close[0]}=?" if close else ""
-            raise ValueError(f"unexpected parameter(s) {sorted(extra)} for variant "
-                             f"{self.name!r}; it takes {sorted(expected) or 'none'}{hint}")
-        if missing:
-            raise ValueError(f"missing parameter(s) {sorted(missing)} for variant "
-                             f"{self.name!r}; it takes {sorted(expected)}")
+        self.check_param_names(params)
         bound = {}
         for p in self._params:
             if isinstance(p, ScalarParam):
