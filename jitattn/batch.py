@@ -107,9 +107,11 @@ class BatchPrefill:
                              max_batch_size, max_num_pages, max_work_items, max_partial_rows,
                              max_mask_bytes, max_item_tokens))}
         self._plan: Plan | None = None
+        self.scales_refused_by: str | None = None  # a wrapper whose run() is ours refuses them
         self._ws: Workspace | None = None
         self._planned: dict = {}
         self._run_inputs: RunInputs | None = None  # what run() accepts after the last plan()
+        self._unplanned_why = ""  # why run() has no plan, when unplan() dropped it
 
     # -- plan -------------------------------------------------------------------------------------
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads: int,
@@ -277,6 +279,10 @@ class BatchPrefill:
             return launch.into_outputs(o, s, out, lse, return_lse)
         if type(k_scale) is not float or type(v_scale) is not float or \
                 k_scale != 1.0 or v_scale != 1.0:  # (the defaults need no check: host time)
+            if self.scales_refused_by:  # (a cascade's plain strategy: its run is ours)
+                name = "v_scale" if type(k_scale) is float and k_scale == 1.0 else "k_scale"
+                raise ValueError(f"{self.scales_refused_by}.run() takes no {name}: "
+                                 f"{_NOT_RUN_KWARGS[name]}")
             for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
                 try:
                     fine = not isinstance(value, (bool, np.bool_)) and \
@@ -296,7 +302,8 @@ class BatchPrefill:
         k_cache, v_cache = split_cache(kv_cache, self.kv_layout)
         checks = self._run_inputs
         if checks is None:
-            raise RuntimeError(f"{type(self).__name__}.run() called before plan()")
+            raise RuntimeError(f"{type(self).__name__}.run() called before plan()"
+                               f"{self._unplanned_why}")
         if not checks.hold(q, k_cache, v_cache):
             checks.check(q, k_cache, v_cache)
         pl, plan, ws = self._planned, self._plan, self._ws
@@ -329,6 +336,10 @@ class BatchPrefill:
         if v_scale != 1.0:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out
+
+    def unplan(self, why: str) -> None:
+        """Drop the plan: run() raises RuntimeError, with ``why``, until the next plan()."""
+        self._run_inputs, self._unplanned_why = None, f" ({why})"
 
     def _run_eager(self, q, inputs, params, k_scale: float = 1.0, v_scale: float = 1.0):
         """run() for the wrapper_run op (ops.py): inputs are the cache tensor(s)."""

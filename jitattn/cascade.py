@@ -196,8 +196,9 @@ class CascadeDecode(MultiLevelCascade):
                                      device=device, **capacities)
         self.plain = BatchDecode(variant, page_size=page_size, kv_layout=kv_layout,
                                  device=device, **capacities)
+        # the plain strategy's run() refuses k_scale / v_scale as the cascade's does
+        self.plain.scales_refused_by = type(self).__name__
         self.strategy, self.chosen = strategy, None
-        self._plain_run = None  # self.plain.run while the plan's choice is plain
 
     def choose(self, batch: int, prefix_len: int, num_kv_heads: int, head_dim: int,
                itemsize: int = 2) -> str:
@@ -211,7 +212,7 @@ class CascadeDecode(MultiLevelCascade):
         """shared_kv_indices: the prefix's pages (int32); shared_last_page_len: tokens on its
         last page. unique_*: each request's own pages, as for BatchDecode.plan. Returns the
         strategy used ("cascade" or "plain")."""
-        self._rows, self.chosen, self._plain_run = None, None, None
+        self._unbind_plain("plan() was called again")
         # both strategies check every argument the same way, before anything is planned, on
         # host copies made once (the plans below read those: no second copy from the device)
         shared_kv_indices, unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len = (
@@ -263,8 +264,20 @@ class CascadeDecode(MultiLevelCascade):
                                 sm_scale=sm_scale)
         self._set_rows([self._level_rows(0, batch, None), self._level_rows(1, batch, None)])
         self.chosen, self._q_shape = strategy, (batch, num_qo_heads, head_dim)
-        self._plain_run = self.plain.run if strategy == "plain" else None
+        if strategy == "plain":
+            # run is plain's own bound run(): "auto" adds no host work to plain decode (eager
+            # decode of a small batch is host-bound; auto must never be slower than plain)
+            self.run = self.plain.run
         return strategy
+
+    def _unbind_plain(self, why: str) -> None:
+        """Back to the class's run() with nothing planned. A reference to ``run`` kept from a
+        plain plan is plain's run(): its plan is dropped too, so that such a reference raises
+        instead of running a stale plan (a kept cascade run() follows ``chosen``)."""
+        self.__dict__.pop("run", None)
+        self._rows, self.chosen = None, None
+        self.plain.unplan(f"{type(self).__name__}.{why}; call its run() again rather than a "
+                          f"reference kept from an earlier plan")
 
     def _plan_plain(self, shared, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim,
                     q_dtype, sm_scale) -> None:
@@ -283,16 +296,10 @@ class CascadeDecode(MultiLevelCascade):
 
     def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False, **params):
         """Attention of q [batch, heads, head_dim] over the shared prefix and each request's
-        own pages (see MultiLevelCascade.run)."""
-        plain_run = self._plain_run
-        if plain_run is not None:
-            # the plain choice: as little host work as possible on top of plain decode's (auto
-            # must never be slower than plain; eager decode of a small batch is host-bound).
-            # Under torch.compile this traces plain's run(): one opaque op on self.plain.
-            if params:
-                reject_run_kwargs(self, params)
-                return plain_run(q, kv_cache, return_lse=return_lse, **params)
-            return plain_run(q, kv_cache, return_lse=True) if return_lse else plain_run(q, kv_cache)
+        own pages (see MultiLevelCascade.run). After a plan() that chose "plain", ``run`` is
+        plain's BatchDecode.run itself (same arguments; k_scale / v_scale refused as here)."""
+        if self.chosen == "plain":  # a reference kept from a cascade plan
+            return self.plain.run(q, kv_cache, return_lse=return_lse, **params)
         if self.chosen is not None and isinstance(q, torch.Tensor) and \
                 q.shape[0] != self._q_shape[0]:  # (the levels accept rows beyond the plan's)
             raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects {self._q_shape}")

@@ -216,6 +216,24 @@ def test_auto_follows_its_latest_choice_and_fills_output_buffers():
         with pytest.raises(ValueError, match=r"lse is \(3, 4\) torch.float32 on cpu; expected "
                                              r"\(3, 8\)"):
             auto.run(q, cache, lse=torch.empty(3, 4))
+        with pytest.raises(ValueError, match=r"CascadeDecode.run\(\) takes no k_scale"):
+            auto.run(q, cache, k_scale=2.0)
+        with pytest.raises(ValueError, match=r"CascadeDecode.run\(\) takes no v_scale"):
+            auto.run(q, cache, v_scale=0.5)
+    # plain's own run() is auto's (no host work on top of plain decode's) ...
+    auto.plan(*aligned)
+    assert auto.run == auto.plain.run
+    kept_plain = auto.run
+    auto.plan(*partial)
+    kept_cascade = auto.run
+    # ... so a reference kept from a plain plan raises once a plan chose the cascade, instead
+    # of running plain's stale plan; one kept from a cascade plan follows the latest choice
+    with pytest.raises(RuntimeError, match=r"BatchDecode.run\(\) called before plan\(\) "
+                                           r"\(CascadeDecode.plan\(\) was called again; call "
+                                           r"its run\(\) again rather than a reference"):
+        kept_plain(q, cache)
+    auto.plan(*aligned)
+    torch.testing.assert_close(kept_cascade(q, cache), auto.run(q, cache), rtol=0, atol=0)
     shared = ja.SharedPrefixPrefill(variant, device="cpu")
     with pytest.raises(ValueError, match="SharedPrefixPrefill.run\\(\\) takes no out"):
         shared.run(q, q, q, out=torch.empty_like(q))
