@@ -310,7 +310,8 @@ class BatchPrefill:
         bound = self.variant.bind(params, device=q.device, sizes=pl["sizes"])
         shape = (pl["total_q"], pl["num_qo_heads"], pl["head_dim"])
         out = launch.output_buffer("out", out, shape, q.dtype, q.device)
-        lse = launch.output_buffer("lse", lse, shape[:2], torch.float32, q.device, align=4)
+        if lse is not None or return_lse:  # (else the kernels store no lse: one allocation less)
+            lse = launch.output_buffer("lse", lse, shape[:2], torch.float32, q.device, align=4)
         device_plan = self._device_plan
         kv = launch.KVView.ragged(k_cache, v_cache) if self.kv_layout == "ragged" else \
             launch.KVView.paged(k_cache, v_cache, ws.view("kv_indices"), self.kv_layout)

@@ -165,7 +165,7 @@ def attention_args(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int
         # the CUDA kernels compute these offsets in int32 (the page term in int64)
         raise ValueError(f"K/V strides {ks} / {vs} (page, slot, head) and "
                          f"(page_size - 1) x slot stride must be below 2**31 elements")
-    values = [q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+    values = [q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), out.data_ptr(), _ptr(lse),
               _ptr(qo_indptr), _ptr(kv_indptr)]
     values += plan.pointers if plan is not None else (0,) * 7
     values += (single_qo_len, single_kv_len, batch, plan.num_items if plan else 0,
@@ -243,7 +243,8 @@ def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
                   sm_scale: float, shared_kv: bool = False) -> None:
     """Launch one attention kernel: the CPU backend for CPU tensors, else the CUDA kernel of
     ``kind`` ("prefill" | "decode"), on a persistent grid of plan.num_ctas CTAs when planned;
-    shared_kv: the build that reads shared prefixes (the plan has some)."""
+    shared_kv: the build that reads shared prefixes (the plan has some). lse None: the
+    kernel stores no lse."""
     head_dim = q.shape[2]
     kinds, values = attention_args(
         q, kv, out, lse, variant, bound, num_kv_heads=num_kv_heads, qo_indptr=qo_indptr,
@@ -279,12 +280,13 @@ def run_merge(o_parts, lse_parts, out, lse_out, *, sigmoid: bool, merge_indptr=N
     """Launch the attention-state merge: planned mode with merge_slots; pair mode with
     o_second / lse_second (row m merges row m of o_parts / lse_parts with row m of o_second /
     lse_second; out / lse_out may be o_parts / lse_parts); else dense mode (row m merges rows
-    m + i * state_stride of o_parts / lse_parts for i < num_states)."""
+    m + i * state_stride of o_parts / lse_parts for i < num_states). lse_out None: no lse is
+    stored."""
     in_tag, out_tag = dtypes.tag(o_parts.dtype), dtypes.tag(out.dtype)
     head_dim = out.shape[-1]
     values = [o_parts.data_ptr(), lse_parts.data_ptr(), _ptr(merge_indptr), _ptr(merge_rows),
               _ptr(merge_slots), _ptr(num_merged_dev), num_merged, num_states, state_stride,
-              _ptr(o_second), _ptr(lse_second), out.data_ptr(), lse_out.data_ptr(), head_dim,
+              _ptr(o_second), _ptr(lse_second), out.data_ptr(), _ptr(lse_out), head_dim,
               int(sigmoid)]
     if not out.is_cuda:
         jit.get_merge_kernel(backend="cpu", in_tag=in_tag, out_tag=out_tag).launch(

@@ -16,20 +16,21 @@ _READ = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64,
 
 
 class _FakeDriver:
-    """Records cuLaunchKernel's arguments and reads the parameters back at once (the buffer
-    is reused by the next launch)."""
+    """Records cuLaunchKernel's arguments, as the driver's launch_args builds them, and reads
+    the parameters back at once (the buffer is reused by the next launch)."""
+
+    launch_args = load._Driver.launch_args
 
     def __init__(self):
         self.launches = []
-        self.lib = self
-
-    def call_in_context(self, device_index, fn):
-        return fn()
 
     def check(self, rc, what):
         assert rc == 0, what
 
-    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    def launch(self, device_index, args):
+        function, gx, gy, gz, bx, by, bz, smem, stream, params, extra = (
+            a if a is None else a.value or 0 for a in args)  # (a NULL c_void_p: None)
+        assert extra is None
         self.launches.append(((gx, gy, gz), (bx, by, bz), smem, stream, params))
         return 0
 
@@ -73,6 +74,7 @@ def test_cuda_launch_packs_every_argument_in_order(monkeypatch):
     values2[14] = 3  # another single_qo_len: the same buffer, repacked
     kernel.launch((1, 1, 1), kinds, values2, 0)
     assert kernel._params is buffer and _read_back(kinds, fake.launches[-1][4]) == values2
+    assert fake.launches[-1][:4] == ((1, 1, 1), (256, 1, 1), 4096, 0)  # (not the last call's)
     merge_kinds = launch._MERGE_KINDS
     merge_values = [1, 2, 3, 4, 5, 6, 7, 8, 1 << 40, 9, 10, 11, 12, 128, 1]
     kernel.launch((1, 1, 1), merge_kinds, merge_values, 0)  # another signature: a new buffer

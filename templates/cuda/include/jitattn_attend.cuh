@@ -809,8 +809,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       else store2(a.partial_o + row * HEAD_DIM + col, x);
     };
     auto store_lse = [&](int local, const RowInfo& r, float x) {
-      if (w.partial < 0) a.lse[(long long)(req.q_start + r.qi) * a.num_qo_heads + r.h] = x;
-      else a.partial_lse[(long long)w.partial + local] = x;
+      if (w.partial >= 0) a.partial_lse[(long long)w.partial + local] = x;
+      else if (a.lse) a.lse[(long long)(req.q_start + r.qi) * a.num_qo_heads + r.h] = x;
     };
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)

@@ -26,7 +26,7 @@ struct Args {
   const KVType* k; // ragged [total_kv, Hkv, D] or paged (NHD / HND), addressed through k_layout;
   const KVType* v; // DType, or fp8 e4m3 (dequantized to DType in shared memory)
   DType* o;        // [total_q, num_qo_heads, HEAD_DIM], contiguous
-  float* lse;      // [total_q, num_qo_heads], natural log
+  float* lse;      // [total_q, num_qo_heads], natural log; nullptr: not stored
   const int* qo_indptr;  // [batch + 1] or nullptr (single request or planned)
   const int* kv_indptr;
   const int* requests;   // plan: [batch][12], see get_request; or nullptr
