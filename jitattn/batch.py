@@ -350,17 +350,15 @@ class BatchPrefill:
 
 _NOT_RUN_KWARGS = {
     "k_scale": "fp8 KV caches and their scales are BatchPrefill's and BatchDecode's",
-    "v_scale": "fp8 KV caches and their scales are BatchPrefill's and BatchDecode's",
-    "out": "it returns new tensors", "lse": "it returns new tensors",
-    "return_lse": "it returns the output only"}
+    "v_scale": "fp8 KV caches and their scales are BatchPrefill's and BatchDecode's"}
 
 
-def reject_run_kwargs(wrapper, params: dict, names=("k_scale", "v_scale")) -> None:
+def reject_run_kwargs(wrapper, params: dict) -> None:
     """Cascades and shared-prefix prefill plan caches in q's dtype: their run() takes no
-    k_scale / v_scale (which BatchPrefill.run would otherwise apply from their **params);
-    SharedPrefixPrefill.run also takes no out, lse or return_lse (``names``). Raises
-    ValueError naming the keyword. (Parameter names cannot be these: dsl reserves them.)"""
-    for name in names:
+    k_scale / v_scale (which BatchPrefill.run would otherwise apply from their **params).
+    Raises ValueError naming the keyword. (Parameter names cannot be these: dsl reserves
+    them.)"""
+    for name in _NOT_RUN_KWARGS:
         if name in params:
             raise ValueError(f"{type(wrapper).__name__}.run() takes no {name}: "
                              f"{_NOT_RUN_KWARGS[name]}")

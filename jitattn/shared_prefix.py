@@ -40,7 +40,7 @@ import operator
 import numpy as np
 import torch
 
-from . import ops, tune
+from . import launch, ops, tune
 from .args import int_arg
 from .batch import CAPACITY_MINIMUMS, CAPACITY_NAMES, BatchPrefill, reject_run_kwargs, \
     resolve_device
@@ -148,7 +148,7 @@ class SharedPrefixPrefill:
 
     def _run_eager(self, q, inputs, params):
         """run() for the wrapper_run op (ops.py): inputs are k and v."""
-        return [self.run(q, inputs[0], inputs[1], **params)]
+        return list(self.run(q, inputs[0], inputs[1], return_lse=True, **params))
 
     def _wrapper(self, name: str, variant: Variant, layout: str) -> BatchPrefill:
         if name not in self._wrappers:
@@ -319,12 +319,19 @@ class SharedPrefixPrefill:
             torch.Size((total, num_kv_heads, head_dim)), q_dtype))
         return strategy
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **params) -> torch.Tensor:
-        """q, k, v: [P + sum(S_i), heads, head_dim] in the deduplicated layout. Returns the
-        attention output in that layout (each request's rows as if it ran on its own)."""
-        reject_run_kwargs(self, params, ("k_scale", "v_scale", "out", "lse", "return_lse"))
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+            return_lse: bool = False, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None, **params):
+        """q, k, v: [P + sum(S_i), heads, head_dim] in the deduplicated layout (k, v: the
+        plan's num_kv_heads). Returns the attention output in that layout, each request's rows
+        as if it ran on its own, and with return_lse their lse [P + sum(S_i), num_qo_heads]
+        (float32, natural log). out / lse: optional output buffers of those shapes (out in q's
+        dtype), contiguous. params: the variant's runtime parameters; k_scale / v_scale are
+        refused (ValueError)."""
+        reject_run_kwargs(self, params)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
-            return ops.wrapper_traced(self, q, [k, v], params, num_outputs=1)[0]
+            o, s = ops.wrapper_traced(self, q, [k, v], params, num_outputs=2)
+            return launch.into_outputs(o, s, out, lse, return_lse)
         if not self._steps:
             raise RuntimeError("SharedPrefixPrefill.run() called before plan()")
         total = self._planned["total"]
@@ -341,7 +348,10 @@ class SharedPrefixPrefill:
                 if t.dtype != dtype:
                     raise TypeError(f"{name} has dtype {t.dtype}; the plan was made for {dtype} "
                                     f"(plan(..., q_dtype=) sets it)")
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (contiguous, as q may not be)
+        # (contiguous, as q may not be)
+        out = launch.output_buffer("out", out, q.shape, q.dtype, q.device)
+        if lse is not None or return_lse:
+            lse = launch.output_buffer("lse", lse, q.shape[:2], torch.float32, q.device, align=4)
         unique_lse = None
         whole = slice(0, total)  # rows or keys of the whole layout: the tensors themselves
         for name, rows, kind, keys in self._steps:
@@ -351,15 +361,21 @@ class SharedPrefixPrefill:
                 (k, v) if keys == whole else (k[keys], v[keys])
             if kind == "naive":
                 gather, first, dest = rows
-                out[dest] = w.run(q[gather], cache, **params)[first]
+                if lse is None:
+                    out[dest] = w.run(q[gather], cache, **params)[first]
+                else:
+                    o, s = w.run(q[gather], cache, return_lse=True, **params)
+                    out[dest], lse[dest] = o[first], s[first]
                 continue
-            q_rows, out_rows = (q, out) if rows == whole else (q[rows], out[rows])
+            q_rows, out_rows, lse_rows = (q, out, lse) if rows == whole else \
+                (q[rows], out[rows], None if lse is None else lse[rows])
             if kind == "direct":
-                w.run(q_rows, cache, out=out_rows, **params)
-            elif kind == "unique":
-                _, unique_lse = w.run(q_rows, cache, out=out_rows, return_lse=True, **params)
-            else:  # shared level: merged into the unique level's rows in place
+                w.run(q_rows, cache, out=out_rows, lse=lse_rows, **params)
+            elif kind == "unique":  # (its lse: lse's rows when given)
+                _, unique_lse = w.run(q_rows, cache, out=out_rows, lse=lse_rows,
+                                      return_lse=True, **params)
+            else:  # shared level: merged into the unique level's rows (and lse) in place
                 o_s, lse_s = w.run(q_rows, cache, return_lse=True, **params)
                 merge_state_in_place(out_rows, unique_lse, o_s, lse_s,
                                      reduction=self.variant.reduction)
-        return out
+        return (out, lse) if return_lse else out

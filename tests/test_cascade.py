@@ -234,13 +234,6 @@ def test_auto_follows_its_latest_choice_and_fills_output_buffers():
         kept_plain(q, cache)
     auto.plan(*aligned)
     torch.testing.assert_close(kept_cascade(q, cache), auto.run(q, cache), rtol=0, atol=0)
-    shared = ja.SharedPrefixPrefill(variant, device="cpu")
-    with pytest.raises(ValueError, match="SharedPrefixPrefill.run\\(\\) takes no out"):
-        shared.run(q, q, q, out=torch.empty_like(q))
-    # (return_lse: a TypeError in two strategies, ignored by the other four)
-    with pytest.raises(ValueError, match="SharedPrefixPrefill.run\\(\\) takes no return_lse: it "
-                                         "returns the output only"):
-        shared.run(q, q, q, return_lse=True)
 
 
 def test_auto_keeps_the_cascade_when_plain_tables_would_not_fit():

@@ -30,14 +30,19 @@ def test_strategies_equal_per_request_attention(strategy, dtype, hq, hkv):
                    for h in (hq, hkv, hkv))
         sp = SharedPrefixPrefill(variant, strategy)
         sp.plan(prefix, suffixes, hq, hkv, 128, q_dtype=dtype)
-        got = sp.run(q, k, v)
+        got, got_lse = sp.run(q, k, v, return_lse=True)
+        torch.testing.assert_close(sp.run(q, k, v), got, rtol=0, atol=0)
         start = prefix
         for i, s in enumerate(suffixes):
             idx = torch.cat([torch.arange(prefix), torch.arange(start, start + s)]).cuda()
-            ref = ja.attention(q[idx], k[idx], v[idx], variant)
+            ref, ref_lse = ja.attention(q[idx], k[idx], v[idx], variant, return_lse=True)
             torch.testing.assert_close(got[start:start + s], ref[prefix:], **TOL[dtype])
+            torch.testing.assert_close(got_lse[start:start + s], ref_lse[prefix:], atol=2e-3,
+                                       rtol=1e-4)
             if i == 0:
                 torch.testing.assert_close(got[:prefix], ref[:prefix], **TOL[dtype])
+                torch.testing.assert_close(got_lse[:prefix], ref_lse[:prefix], atol=2e-3,
+                                           rtol=1e-4)
             start += s
 
 

@@ -17,18 +17,18 @@ def _layout(prefix, suffixes, hq, hkv, d, dtype, seed):
     return [torch.randn(n, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv)]
 
 
-def _per_request_reference(variant, q, k, v, prefix, suffixes):
+def _per_request_reference(variant, q, k, v, prefix, suffixes, return_lse=False):
     """Each request [P, S_i] on its own through ja.attention, laid out like the strategies."""
-    out = torch.empty_like(q)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
     start = prefix
     for i, n in enumerate(suffixes):
         idx = torch.cat([torch.arange(prefix), torch.arange(start, start + n)])
-        o = ja.attention(q[idx], k[idx], v[idx], variant)
-        out[start:start + n] = o[prefix:]
+        o, s = ja.attention(q[idx], k[idx], v[idx], variant, return_lse=True)
+        out[start:start + n], lse[start:start + n] = o[prefix:], s[prefix:]
         if i == 0:
-            out[:prefix] = o[:prefix]
+            out[:prefix], lse[:prefix] = o[:prefix], s[:prefix]
         start += n
-    return out
+    return (out, lse) if return_lse else out
 
 
 CASES = [(96, [4, 4]), (37, [1]), (0, [5, 3, 9]), (50, [1, 1, 1, 1, 1, 1]), (130, [70, 2, 33])]
@@ -41,9 +41,15 @@ def test_every_strategy_equals_naive(strategy, prefix, suffixes):
     q, k, v = _layout(prefix, suffixes, 16, 8, 128, torch.float16, seed=prefix + len(suffixes))
     sp = SharedPrefixPrefill(variant, strategy, device="cpu")
     assert sp.plan(prefix, suffixes, 16, 8, 128) == strategy
-    got = sp.run(q, k, v)
-    ref = _per_request_reference(variant, q, k, v, prefix, suffixes)
+    got, got_lse = sp.run(q, k, v, return_lse=True)
+    ref, ref_lse = _per_request_reference(variant, q, k, v, prefix, suffixes, return_lse=True)
     torch.testing.assert_close(got, ref, **TOL[torch.float16])
+    torch.testing.assert_close(got_lse, ref_lse, atol=2e-3, rtol=1e-4)
+    # without the lse, and into the caller's buffers: the same values
+    torch.testing.assert_close(sp.run(q, k, v), got, rtol=0, atol=0)
+    out, lse = torch.full_like(q, 7.0), torch.full_like(got_lse, 7.0)
+    assert sp.run(q, k, v, out=out, lse=lse) is out
+    torch.testing.assert_close((out, lse), (got, got_lse), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("strategy", ["naive", "split", "ragged"])
