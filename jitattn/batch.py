@@ -14,6 +14,7 @@ the schedule may change; BatchDecode with a fixed batch is the usual case).
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import os
@@ -368,6 +369,12 @@ def _cache_tensors(kv_cache) -> list:
     return list(kv_cache) if isinstance(kv_cache, (tuple, list)) else [kv_cache]
 
 
+# BatchDecode's keywords: BatchPrefill's but query_tile
+_DECODE_KEYWORDS = tuple(
+    name for name, p in inspect.signature(BatchPrefill.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "query_tile")
+
+
 class BatchDecode(BatchPrefill):
     """Decode: one query token per request over a paged (or ragged) KV cache (the decode
     kernel: warps split each work item's KV range; the scheduler splits long requests across
@@ -382,6 +389,10 @@ class BatchDecode(BatchPrefill):
         if "query_tile" in kwargs:
             raise TypeError("BatchDecode takes no query_tile: one query per request always "
                             "runs on the decode kernel's tiles")
+        unknown = sorted(set(kwargs) - set(_DECODE_KEYWORDS))
+        if unknown:  # (else Python names BatchPrefill.__init__)
+            raise TypeError(f"BatchDecode() got unexpected keyword arguments {unknown}; it "
+                            f"takes {list(_DECODE_KEYWORDS)}")
         super().__init__(variant, page_size, kv_layout, **kwargs)
         if variant.mask not in ("none", "causal"):
             raise ValueError(f"BatchDecode takes variants with mask 'none' or 'causal'; "

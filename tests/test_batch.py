@@ -383,6 +383,12 @@ def test_query_tile_is_checked():
         ja.BatchPrefill(ja.Variant("c"), device="cpu", query_tile="tiny")
     with pytest.raises(TypeError, match="BatchDecode takes no query_tile"):
         ja.BatchDecode(ja.Variant("c"), device="cpu", query_tile="short")
+    # a misspelt keyword is BatchDecode's error (Python's named BatchPrefill.__init__)
+    with pytest.raises(TypeError, match=r"BatchDecode\(\) got unexpected keyword arguments "
+                                        r"\['max_batch'\]; it takes \['device', 'max_batch_size'"):
+        ja.BatchDecode(ja.Variant("c"), device="cpu", max_batch=8)
+    assert ja.BatchDecode(ja.Variant("c"), device="cpu", max_batch_size=8,
+                          split_kv=False).capacity["max_batch_size"] == 8
 
 
 @pytest.mark.parametrize("split_kv", [True, False], ids=["split", "whole"])
