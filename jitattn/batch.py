@@ -112,6 +112,9 @@ class BatchPrefill:
         self._ws: Workspace | None = None
         self._planned: dict = {}
         self._run_inputs: RunInputs | None = None  # what run() accepts after the last plan()
+        # the last plan's launch (launch.Launcher), from its first run(); run()'s checks
+        # (RunInputs) hold the shapes, dtypes, device and layout it was resolved for
+        self._launcher: launch.Launcher | None = None
         self._unplanned_why = ""  # why run() has no plan, when unplan() dropped it
 
     # -- plan -------------------------------------------------------------------------------------
@@ -212,7 +215,7 @@ class BatchPrefill:
             self._ws = Workspace(self.capacity, self.device)
         self._ws.upload(plan, np.zeros(0, np.int32) if ragged else indices[:kv[-1]])
         self._ws.upload_mask(mask)
-        self._plan = plan
+        self._plan, self._launcher = plan, None
         self._device_plan = self._ws.device_plan(plan)
         self._run_inputs = RunInputs(
             total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -313,14 +316,20 @@ class BatchPrefill:
         out = launch.output_buffer("out", out, shape, q.dtype, q.device)
         if lse is not None or return_lse:  # (else the kernels store no lse: one allocation less)
             lse = launch.output_buffer("lse", lse, shape[:2], torch.float32, q.device, align=4)
-        device_plan = self._device_plan
-        kv = launch.KVView.ragged(k_cache, v_cache) if self.kv_layout == "ragged" else \
-            launch.KVView.paged(k_cache, v_cache, ws.view("kv_indices"), self.kv_layout)
-        launch.run_attention(q, kv, out, lse, self.variant, bound,
-                             num_kv_heads=pl["num_kv_heads"], kind=pl["kind"], plan=device_plan,
-                             batch=pl["batch"], max_qo_len=pl["sizes"]["qo_len"],
-                             single_qo_len=0, single_kv_len=0,
-                             sm_scale=pl["sm_scale"] * k_scale, shared_kv=pl["shared_kv"])
+        launcher = self._launcher
+        if launcher is not None:  # this plan's launch as its first run() resolved it
+            layout = self.kv_layout
+            launcher(q, k_cache, v_cache, out, lse, launch.kv_strides(k_cache, layout),
+                     launch.kv_strides(v_cache, layout), pl["sm_scale"] * k_scale,
+                     self.variant, bound)
+        else:
+            kv = launch.KVView.ragged(k_cache, v_cache) if self.kv_layout == "ragged" else \
+                launch.KVView.paged(k_cache, v_cache, ws.view("kv_indices"), self.kv_layout)
+            self._launcher = launch.run_attention(
+                q, kv, out, lse, self.variant, bound, num_kv_heads=pl["num_kv_heads"],
+                kind=pl["kind"], plan=self._device_plan, batch=pl["batch"],
+                max_qo_len=pl["sizes"]["qo_len"], single_qo_len=0, single_kv_len=0,
+                sm_scale=pl["sm_scale"] * k_scale, shared_kv=pl["shared_kv"])
         capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if capturing:
             self._captured_kind = pl["kind"]

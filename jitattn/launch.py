@@ -56,16 +56,22 @@ class KVView:
     @staticmethod
     def ragged(k: torch.Tensor, v: torch.Tensor) -> "KVView":
         """k, v: [total_kv, num_kv_heads, head_dim]."""
-        return KVView(k, v, None, 1, (k.stride(0), 0, k.stride(1)), (v.stride(0), 0, v.stride(1)))
+        return KVView(k, v, None, 1, kv_strides(k, "ragged"), kv_strides(v, "ragged"))
 
     @staticmethod
     def paged(k_cache, v_cache, kv_indices, layout: str) -> "KVView":
         """NHD caches are [num_pages, page_size, Hkv, D], HND [num_pages, Hkv, page_size, D]."""
-        slot, head = (1, 2) if layout == "NHD" else (2, 1)
-        page_size = k_cache.shape[slot]
-        return KVView(k_cache, v_cache, kv_indices, page_size,
-                      (k_cache.stride(0), k_cache.stride(slot), k_cache.stride(head)),
-                      (v_cache.stride(0), v_cache.stride(slot), v_cache.stride(head)))
+        return KVView(k_cache, v_cache, kv_indices, k_cache.shape[1 if layout == "NHD" else 2],
+                      kv_strides(k_cache, layout), kv_strides(v_cache, layout))
+
+
+def kv_strides(t: torch.Tensor, layout: str) -> tuple:
+    """The (page, slot, head) strides in elements of a K or V cache in ``layout`` ("NHD",
+    "HND", or "ragged": rows [total_kv, Hkv, D] as pages of one slot)."""
+    s = t.stride()
+    if layout == "NHD":
+        return s[0], s[1], s[2]
+    return (s[0], s[2], s[1]) if layout == "HND" else (s[0], 0, s[1])
 
 
 @dataclass
@@ -159,18 +165,34 @@ def attention_args(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int
                    single_qo_len: int, single_kv_len: int, sm_scale: float) -> tuple:
     """The attention kernels' arguments (both backends): (kinds, values), kinds a tuple of
     "ptr" | "i32" | "i64" | "f32" (the same tuple object for every call of one variant)."""
-    qs0, qs1, _ = q.stride()
-    ks, vs = kv.k_strides, kv.v_strides
-    if q.is_cuda and max(ks + vs + ((kv.page_size - 1) * max(ks[1], vs[1]),)) >= 1 << 31:
+    fixed = _fixed_args(qo_indptr, kv_indptr, plan, batch, single_qo_len, single_kv_len,
+                        q.shape[1], num_kv_heads, kv.kv_indices, kv.page_size)
+    return _attention_kinds(variant), _fill_args(fixed, q, kv.k, kv.v, out, lse, kv.k_strides,
+                                                 kv.v_strides, sm_scale, variant, bound)
+
+
+def _fixed_args(qo_indptr, kv_indptr, plan, batch, single_qo_len, single_kv_len,
+                num_qo_heads, num_kv_heads, kv_indices, page_size) -> tuple:
+    """The arguments that a plan's calls share, in two runs: after the five tensors' addresses,
+    and between q's strides and the K/V strides (_fill_args)."""
+    return ((_ptr(qo_indptr), _ptr(kv_indptr),
+             *(plan.pointers if plan is not None else (0,) * 7),
+             single_qo_len, single_kv_len, batch, plan.num_items if plan else 0,
+             plan.rows_per_cta if plan else 0, num_qo_heads, num_kv_heads),
+            (_ptr(kv_indices), page_size))
+
+
+def _fill_args(fixed, q, k, v, out, lse, ks, vs, sm_scale, variant, bound) -> list:
+    """The kernels' values: the tensors' addresses and strides around ``fixed``, the softmax
+    scale, the variant's parameters. Raises ValueError for K/V strides the CUDA kernels cannot
+    address."""
+    if q.is_cuda and max(ks + vs + ((fixed[1][1] - 1) * max(ks[1], vs[1]),)) >= 1 << 31:
         # the CUDA kernels compute these offsets in int32 (the page term in int64)
         raise ValueError(f"K/V strides {ks} / {vs} (page, slot, head) and "
                          f"(page_size - 1) x slot stride must be below 2**31 elements")
-    values = [q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), out.data_ptr(), _ptr(lse),
-              _ptr(qo_indptr), _ptr(kv_indptr)]
-    values += plan.pointers if plan is not None else (0,) * 7
-    values += (single_qo_len, single_kv_len, batch, plan.num_items if plan else 0,
-               plan.rows_per_cta if plan else 0, q.shape[1], num_kv_heads, qs0, qs1,
-               _ptr(kv.kv_indices), kv.page_size, *ks, *vs, sm_scale)
+    qs0, qs1, _ = q.stride()
+    values = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), _ptr(lse), *fixed[0],
+              qs0, qs1, *fixed[1], *ks, *vs, sm_scale]
     for p in variant.params:
         if isinstance(p, ScalarParam):
             values.append(bound[p.name])
@@ -178,7 +200,7 @@ def attention_args(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int
             t = bound[p.name]
             values.append(t.data_ptr())
             values += t.shape
-    return _attention_kinds(variant), values
+    return values
 
 
 _TMA_DTYPES = {torch.float16: load.TMA_FLOAT16, torch.bfloat16: load.TMA_BFLOAT16}
@@ -240,34 +262,63 @@ def device_index(t: torch.Tensor) -> int:
 def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int, kind: str,
                   qo_indptr=None, kv_indptr=None, plan: DevicePlan | None = None, batch: int,
                   max_qo_len: int, single_qo_len: int, single_kv_len: int,
-                  sm_scale: float, shared_kv: bool = False) -> None:
+                  sm_scale: float, shared_kv: bool = False) -> Launcher | None:
     """Launch one attention kernel: the CPU backend for CPU tensors, else the CUDA kernel of
     ``kind`` ("prefill" | "decode"), on a persistent grid of plan.num_ctas CTAs when planned;
     shared_kv: the build that reads shared prefixes (the plan has some). lse None: the
-    kernel stores no lse."""
+    kernel stores no lse. Returns the Launcher that repeats this launch for other tensors of
+    the same shapes, dtypes, device and layout, or None where the arguments follow k and v's
+    addresses (the TMA maps of ragged K/V)."""
     head_dim = q.shape[2]
-    kinds, values = attention_args(
-        q, kv, out, lse, variant, bound, num_kv_heads=num_kv_heads, qo_indptr=qo_indptr,
-        kv_indptr=kv_indptr, plan=plan, batch=batch, single_qo_len=single_qo_len,
-        single_kv_len=single_kv_len, sm_scale=sm_scale)
+    fixed = _fixed_args(qo_indptr, kv_indptr, plan, batch, single_qo_len, single_kv_len,
+                        q.shape[1], num_kv_heads, kv.kv_indices, kv.page_size)
     tag, kv_tag = dtypes.tag(q.dtype), dtypes.kv_tag(kv.k.dtype)
     if q.device.type == "cpu":
-        jit.get_kernel(variant, backend="cpu", head_dim=head_dim).launch(
-            render.cpu_entry(tag, kv_tag), kinds, values)
-        return
-    index = device_index(q)
-    kernel = jit.get_kernel(variant, backend="cuda", kind=kind, dtype_tag=tag,
-                            head_dim=head_dim, device_index=index, kv_tag=kv_tag,
-                            shared_kv=shared_kv)
-    if kernel.tma:
-        kinds = _attention_kinds(variant, tma=True)
-        values += tma_values(kv, kernel.kv_tile)
-    if plan is not None:
-        grid = (plan.num_ctas, 1, 1)
+        launcher = Launcher(jit.get_kernel(variant, backend="cpu", head_dim=head_dim),
+                            _attention_kinds(variant), fixed, entry=render.cpu_entry(tag, kv_tag))
     else:
-        g = q.shape[1] // num_kv_heads
-        grid = (-(-max_qo_len * g // kernel.rows_per_cta), batch, num_kv_heads)
-    kernel.launch(grid, kinds, values, current_stream(index))
+        index = device_index(q)
+        kernel = jit.get_kernel(variant, backend="cuda", kind=kind, dtype_tag=tag,
+                                head_dim=head_dim, device_index=index, kv_tag=kv_tag,
+                                shared_kv=shared_kv)
+        if plan is not None:
+            grid = (plan.num_ctas, 1, 1)
+        else:
+            g = q.shape[1] // num_kv_heads
+            grid = (-(-max_qo_len * g // kernel.rows_per_cta), batch, num_kv_heads)
+        if kernel.tma:
+            values = _fill_args(fixed, q, kv.k, kv.v, out, lse, kv.k_strides, kv.v_strides,
+                                sm_scale, variant, bound)
+            kernel.launch(grid, _attention_kinds(variant, tma=True),
+                          values + list(tma_values(kv, kernel.kv_tile)), current_stream(index))
+            return None
+        launcher = Launcher(kernel, _attention_kinds(variant), fixed, grid, index)
+    launcher(q, kv.k, kv.v, out, lse, kv.k_strides, kv.v_strides, sm_scale, variant, bound)
+    return launcher
+
+
+@dataclass
+class Launcher:
+    """One attention launch as run_attention resolved it (the kernel, its argument kinds and
+    grid, the arguments a plan fixes), repeated for other tensors of the same shapes, dtypes,
+    device and layout: a planned wrapper's later run() calls skip the lookups. Calling it
+    takes the tensors, the K / V strides (kv_strides), the softmax scale and the variant's
+    bound parameters, as run_attention does."""
+
+    kernel: object               # load.CudaKernel, or load.CpuKernel
+    kinds: tuple
+    fixed: tuple                 # _fixed_args
+    grid: tuple = ()
+    device_index: int = -1       # -1: the CPU backend
+    entry: str = ""              # the CPU backend's symbol
+
+    def __call__(self, q, k, v, out, lse, k_strides, v_strides, sm_scale, variant, bound):
+        values = _fill_args(self.fixed, q, k, v, out, lse, k_strides, v_strides, sm_scale,
+                            variant, bound)
+        if self.device_index < 0:
+            self.kernel.launch(self.entry, self.kinds, values)
+        else:
+            self.kernel.launch(self.grid, self.kinds, values, current_stream(self.device_index))
 
 
 _MERGE_KINDS = ("ptr",) * 6 + ("i32", "i32", "i64") + ("ptr",) * 4 + ("i32", "i32")

@@ -58,6 +58,16 @@ def test_one_cache_tensor_and_replanning():
         qo_indptr = _cumsum(qo_lens)
         w.plan(qo_indptr, kv_indptr, kv_indices, last, 4, 4, 64)
         check_batch(w, variant, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last, "NHD")
+        # a plan's later calls repeat its first launch (launch.Launcher) with each call's own
+        # addresses and strides: other data, in separate k / v (half the page stride) and q
+        # inside a wider tensor, as a fresh wrapper's first call computes it
+        q2, k2, v2 = q.flip(0), v.flip(0), k.flip(0)
+        fresh = ja.BatchPrefill(variant, page_size=4, device="cpu")
+        fresh.plan(qo_indptr, kv_indptr, kv_indices, last, 4, 4, 64)
+        wide = torch.randn(q.shape[0], 8, 64).half()
+        wide[:, 2:6] = q2
+        torch.testing.assert_close(w.run(wide[:, 2:6], (k2, v2)), fresh.run(q2, (k2, v2)),
+                                   rtol=0, atol=0)
 
 
 def _simple():
