@@ -115,7 +115,7 @@ class BatchPrefill:
         # the last plan's launch (launch.Launcher), from its first run(); run()'s checks
         # (RunInputs) hold the shapes, dtypes, device and layout it was resolved for
         self._launcher: launch.Launcher | None = None
-        self._unplanned_why = ""  # why run() has no plan, when unplan() dropped it
+        self._forward_to = None  # what run() calls without a plan (unplan())
 
     # -- plan -------------------------------------------------------------------------------------
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads: int,
@@ -211,8 +211,11 @@ class BatchPrefill:
             raise ValueError(f"the plan needs {plan.num_partial_rows} partial rows, more than "
                              f"max_partial_rows={cap['max_partial_rows']} given to the "
                              f"constructor (or construct with split_kv=False)")
-        if self._ws is None:  # allocated once, at the first plan()
-            self._ws = Workspace(self.capacity, self.device)
+        if self._ws is None:  # allocated once, at the first plan(); as normal tensors, which
+            # later plans update in place in or out of inference mode (inference tensors
+            # refuse in-place updates outside it)
+            with torch.inference_mode(False):
+                self._ws = Workspace(self.capacity, self.device)
         self._ws.upload(plan, np.zeros(0, np.int32) if ragged else indices[:kv[-1]])
         self._ws.upload_mask(mask)
         self._plan, self._launcher = plan, None
@@ -284,9 +287,7 @@ class BatchPrefill:
         if type(k_scale) is not float or type(v_scale) is not float or \
                 k_scale != 1.0 or v_scale != 1.0:  # (the defaults need no check: host time)
             if self.scales_refused_by:  # (a cascade's plain strategy: its run is ours)
-                name = "v_scale" if type(k_scale) is float and k_scale == 1.0 else "k_scale"
-                raise ValueError(f"{self.scales_refused_by}.run() takes no {name}: "
-                                 f"{_NOT_RUN_KWARGS[name]}")
+                reject_run_kwargs(self.scales_refused_by, dict(k_scale=k_scale, v_scale=v_scale))
             for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
                 try:
                     fine = not isinstance(value, (bool, np.bool_)) and \
@@ -306,8 +307,10 @@ class BatchPrefill:
         k_cache, v_cache = split_cache(kv_cache, self.kv_layout)
         checks = self._run_inputs
         if checks is None:
-            raise RuntimeError(f"{type(self).__name__}.run() called before plan()"
-                               f"{self._unplanned_why}")
+            if self._forward_to is not None:
+                return self._forward_to(q, kv_cache, return_lse=return_lse, out=out, lse=lse,
+                                        **params)
+            raise RuntimeError(f"{type(self).__name__}.run() called before plan()")
         if not checks.hold(q, k_cache, v_cache):
             checks.check(q, k_cache, v_cache)
         pl, plan, ws = self._planned, self._plan, self._ws
@@ -348,9 +351,10 @@ class BatchPrefill:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out
 
-    def unplan(self, why: str) -> None:
-        """Drop the plan: run() raises RuntimeError, with ``why``, until the next plan()."""
-        self._run_inputs, self._unplanned_why = None, f" ({why})"
+    def unplan(self, forward_to=None) -> None:
+        """Drop the plan until the next plan(): run() raises RuntimeError, or with
+        ``forward_to`` (a callable taking run()'s arguments) returns forward_to(...)."""
+        self._run_inputs, self._launcher, self._forward_to = None, None, forward_to
 
     def _run_eager(self, q, inputs, params, k_scale: float = 1.0, v_scale: float = 1.0):
         """run() for the wrapper_run op (ops.py): inputs are the cache tensor(s)."""
@@ -365,13 +369,16 @@ _NOT_RUN_KWARGS = {
 
 def reject_run_kwargs(wrapper, params: dict) -> None:
     """Cascades and shared-prefix prefill plan caches in q's dtype: their run() takes no
-    k_scale / v_scale (which BatchPrefill.run would otherwise apply from their **params).
-    Raises ValueError naming the keyword. (Parameter names cannot be these: dsl reserves
-    them.)"""
+    k_scale / v_scale but 1 (which changes nothing), and drops those from ``params``. Raises
+    ValueError naming the keyword and ``wrapper`` (its class, or a class name). (Parameter
+    names cannot be these: dsl reserves them.)"""
     for name in _NOT_RUN_KWARGS:
         if name in params:
-            raise ValueError(f"{type(wrapper).__name__}.run() takes no {name}: "
-                             f"{_NOT_RUN_KWARGS[name]}")
+            value = params.pop(name)
+            if type(value) not in (int, float) or value != 1:
+                owner = wrapper if isinstance(wrapper, str) else type(wrapper).__name__
+                raise ValueError(f"{owner}.run() takes no {name} (other than 1.0): "
+                                 f"{_NOT_RUN_KWARGS[name]}")
 
 
 def _cache_tensors(kv_cache) -> list:

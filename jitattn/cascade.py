@@ -182,9 +182,12 @@ class CascadeDecode(MultiLevelCascade):
     request; needs the prefix to end on a page boundary) or "auto" (plain when the prefix
     bytes the cascade would save take less time to read than the cascade's extra launches
     cost: CASCADE_OVERHEAD_S, DECODE_BYTES_PER_S; the shared-prefix survey (docs/sources.md)
-    notes the same trade-off). The choice of the last plan() is in ``chosen``. A CUDA graph
-    captures the launches of one strategy: to replay it after new plans, fix the strategy
-    ("cascade" or "plain"), since "auto" may switch between them."""
+    notes the same trade-off). The choice of the last plan() is in ``chosen``. After a plan()
+    that chose plain, ``run`` is the inner BatchDecode's own run() (so "auto" costs no host
+    time over plain decode; its k_scale / v_scale other than 1 are refused as here); a
+    reference to ``run`` kept across plans (a partial, torch.compile of it) runs the latest
+    plan either way. A CUDA graph captures the launches of one strategy: to replay it after
+    new plans, fix the strategy ("cascade" or "plain"), since "auto" may switch between them."""
 
     def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD", *,
                  strategy: str = "auto", device=None, **capacities):
@@ -198,7 +201,7 @@ class CascadeDecode(MultiLevelCascade):
                                  device=device, **capacities)
         # the plain strategy's run() refuses k_scale / v_scale as the cascade's does
         self.plain.scales_refused_by = type(self).__name__
-        self.strategy, self.chosen = strategy, None
+        self.strategy, self.chosen, self._bound_plain = strategy, None, None
 
     def choose(self, batch: int, prefix_len: int, num_kv_heads: int, head_dim: int,
                itemsize: int = 2) -> str:
@@ -212,7 +215,7 @@ class CascadeDecode(MultiLevelCascade):
         """shared_kv_indices: the prefix's pages (int32); shared_last_page_len: tokens on its
         last page. unique_*: each request's own pages, as for BatchDecode.plan. Returns the
         strategy used ("cascade" or "plain")."""
-        self._unbind_plain("plan() was called again")
+        self._unbind_plain()
         # both strategies check every argument the same way, before anything is planned, on
         # host copies made once (the plans below read those: no second copy from the device)
         shared_kv_indices, unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len = (
@@ -264,20 +267,24 @@ class CascadeDecode(MultiLevelCascade):
                                 sm_scale=sm_scale)
         self._set_rows([self._level_rows(0, batch, None), self._level_rows(1, batch, None)])
         self.chosen, self._q_shape = strategy, (batch, num_qo_heads, head_dim)
-        if strategy == "plain":
+        if strategy == "plain" and type(self).run is CascadeDecode.run and \
+                "run" not in self.__dict__:
             # run is plain's own bound run(): "auto" adds no host work to plain decode (eager
-            # decode of a small batch is host-bound; auto must never be slower than plain)
-            self.run = self.plain.run
+            # decode of a small batch is host-bound; auto must never be slower than plain).
+            # (Not over a subclass's run() or one set on the instance.)
+            self.run = self._bound_plain = self.plain.run
+        elif strategy != "plain":
+            # a reference kept from a plain plan (cd.run, a partial of it, torch.compile of
+            # it) is plain's run(): with plain's plan dropped, it calls this plan's run()
+            self.plain.unplan(forward_to=CascadeDecode.run.__get__(self))
         return strategy
 
-    def _unbind_plain(self, why: str) -> None:
-        """Back to the class's run() with nothing planned. A reference to ``run`` kept from a
-        plain plan is plain's run(): its plan is dropped too, so that such a reference raises
-        instead of running a stale plan (a kept cascade run() follows ``chosen``)."""
-        self.__dict__.pop("run", None)
-        self._rows, self.chosen = None, None
-        self.plain.unplan(f"{type(self).__name__}.{why}; call its run() again rather than a "
-                          f"reference kept from an earlier plan")
+    def _unbind_plain(self) -> None:
+        """Back to the class's run() (when plan() had bound plain's), with nothing planned."""
+        if self._bound_plain is not None and self.__dict__.get("run") is self._bound_plain:
+            del self.run
+        self._rows, self.chosen, self._bound_plain = None, None, None
+        self.plain.unplan()
 
     def _plan_plain(self, shared, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim,
                     q_dtype, sm_scale) -> None:
@@ -297,7 +304,8 @@ class CascadeDecode(MultiLevelCascade):
     def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False, **params):
         """Attention of q [batch, heads, head_dim] over the shared prefix and each request's
         own pages (see MultiLevelCascade.run). After a plan() that chose "plain", ``run`` is
-        plain's BatchDecode.run itself (same arguments; k_scale / v_scale refused as here)."""
+        plain's BatchDecode.run itself (same arguments; k_scale / v_scale other than 1
+        refused as here)."""
         if self.chosen == "plain":  # a reference kept from a cascade plan
             return self.plain.run(q, kv_cache, return_lse=return_lse, **params)
         if self.chosen is not None and isinstance(q, torch.Tensor) and \

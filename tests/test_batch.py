@@ -47,6 +47,21 @@ def test_batch_decode_every_builtin_variant(name, keep_splits):
                 kv_indices, last, "NHD")
 
 
+def test_plans_in_and_out_of_inference_mode():
+    """The first plan() allocates the workspace; under torch.inference_mode it made inference
+    tensors, which a later plan() outside inference mode could not update."""
+    w = ja.BatchDecode(ja.Variant("c_inf"), page_size=4, device="cpu")
+    args = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([3], dtype=torch.int32), 8, 2, 64)
+    cache = tuple(torch.randn(4, 4, 2, 64).half() for _ in range(2))
+    q = torch.randn(1, 8, 64).half()
+    with torch.inference_mode():
+        w.plan(*args)
+        want = w.run(q, cache)
+    w.plan(*args)
+    torch.testing.assert_close(w.run(q, cache), want, rtol=0, atol=0)
+
+
 def test_one_cache_tensor_and_replanning():
     variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
     w = ja.BatchPrefill(variant, page_size=4, device="cpu")

@@ -1,6 +1,8 @@
 """Cascade decode and multi-level cascades equal plain paged decode over the full page tables
 (CPU backend); beam-search-style parallel sampling as the example."""
 
+import functools
+
 import pytest
 import torch
 
@@ -220,20 +222,55 @@ def test_auto_follows_its_latest_choice_and_fills_output_buffers():
             auto.run(q, cache, k_scale=2.0)
         with pytest.raises(ValueError, match=r"CascadeDecode.run\(\) takes no v_scale"):
             auto.run(q, cache, v_scale=0.5)
+        # (1, which changes nothing, is taken whichever strategy runs)
+        torch.testing.assert_close(auto.run(q, cache, k_scale=1.0, v_scale=1), want_o,
+                                   rtol=0, atol=0)
     # plain's own run() is auto's (no host work on top of plain decode's) ...
     auto.plan(*aligned)
     assert auto.run == auto.plain.run
-    kept_plain = auto.run
+    kept_plain, kept_partial = auto.run, functools.partial(auto.run, q, cache)
+    with torch.inference_mode():
+        compiled = torch.compile(auto.run, backend="aot_eager")
+        compiled(q, cache)
     auto.plan(*partial)
     kept_cascade = auto.run
-    # ... so a reference kept from a plain plan raises once a plan chose the cascade, instead
-    # of running plain's stale plan; one kept from a cascade plan follows the latest choice
-    with pytest.raises(RuntimeError, match=r"BatchDecode.run\(\) called before plan\(\) "
-                                           r"\(CascadeDecode.plan\(\) was called again; call "
-                                           r"its run\(\) again rather than a reference"):
-        kept_plain(q, cache)
+    # ... and a reference kept from a plain plan (plain's run(), whose plan is then dropped)
+    # runs the cascade once a plan chose it, not plain's stale plan; one kept from a cascade
+    # plan follows the latest choice
+    want = auto.run(q, cache)
+    for kept in (kept_plain, kept_partial):
+        torch.testing.assert_close(kept() if kept is kept_partial else kept(q, cache), want,
+                                   rtol=0, atol=0)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(q, cache), want, rtol=0, atol=0)
     auto.plan(*aligned)
     torch.testing.assert_close(kept_cascade(q, cache), auto.run(q, cache), rtol=0, atol=0)
+
+
+def test_auto_binds_plain_run_only_over_its_own():
+    """A subclass's run() and a run() set on the instance (a profiler's wrapper, a mock) stay
+    in place after a plan that chose plain."""
+    i32 = dict(dtype=torch.int32)
+    args = (torch.tensor([0, 1], **i32), 4, torch.tensor([0, 2, 2, 5], **i32),
+            torch.tensor([3, 4, 5, 6, 7], **i32), torch.tensor([2, 0, 1], **i32), 8, 2, 64)
+    cache = tuple(torch.randn(30, 4, 2, 64).half() for _ in range(2))
+    q = torch.randn(3, 8, 64).half()
+    calls = []
+
+    class Counted(ja.CascadeDecode):
+        def run(self, *a, **k):
+            calls.append("subclass")
+            return super().run(*a, **k)
+    cd = Counted(ja.Variant("plain_sub"), page_size=4, device="cpu")
+    assert cd.plan(*args) == "plain"
+    want = cd.run(q, cache)
+    assert calls == ["subclass"]
+    cd = ja.CascadeDecode(ja.Variant("plain_sub"), page_size=4, device="cpu")
+    inner = cd.run
+    cd.run = lambda *a, **k: calls.append("instance") or inner(*a, **k)
+    assert cd.plan(*args) == "plain"
+    torch.testing.assert_close(cd.run(q, cache), want, rtol=0, atol=0)
+    assert calls == ["subclass", "instance"]
 
 
 def test_auto_keeps_the_cascade_when_plain_tables_would_not_fit():
