@@ -168,6 +168,7 @@ class BatchPrefill:
                              shared_prefix_start=shared[0], shared_prefix_len=shared[1])
         kv, indices, kv_dtype = inputs.kv, inputs.indices, inputs.kv_dtype
         qo_lens, kv_lens, batch = inputs.qo_lens, inputs.kv_lens, inputs.batch
+        sm_scale = launch.resolve_sm_scale(sm_scale, head_dim)  # (raises before any change)
         # (checked: ints, perhaps numpy's)
         num_qo_heads, num_kv_heads, head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
         max_qo, max_kv = int(qo_lens.max(initial=0)), int(kv_lens.max(initial=0))
@@ -211,26 +212,29 @@ class BatchPrefill:
             raise ValueError(f"the plan needs {plan.num_partial_rows} partial rows, more than "
                              f"max_partial_rows={cap['max_partial_rows']} given to the "
                              f"constructor (or construct with split_kv=False)")
-        if self._ws is None:  # allocated once, at the first plan(); as normal tensors, which
-            # later plans update in place in or out of inference mode (inference tensors
-            # refuse in-place updates outside it)
-            with torch.inference_mode(False):
+        # every check has passed: the workspace now changes, and the last plan is gone (run()
+        # takes the new one once _run_inputs is set, last)
+        self._run_inputs, self._launcher = None, None
+        # (allocated once, as normal tensors: later plans update them in place in or out of
+        # inference mode, where inference tensors refuse in-place updates outside it)
+        with torch.inference_mode(False):
+            if self._ws is None:
                 self._ws = Workspace(self.capacity, self.device)
-        self._ws.upload(plan, np.zeros(0, np.int32) if ragged else indices[:kv[-1]])
-        self._ws.upload_mask(mask)
-        self._plan, self._launcher = plan, None
+            self._ws.upload(plan, np.zeros(0, np.int32) if ragged else indices[:kv[-1]])
+            self._ws.upload_mask(mask)
+        self._plan = plan
         self._device_plan = self._ws.device_plan(plan)
+        self._planned = dict(
+            total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, batch=batch, kind=kernel_kind,
+            shared_kv=shared_kv, sm_scale=sm_scale,
+            sizes=dict(batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                       qo_len=max_qo, kv_len=max_kv))
         self._run_inputs = RunInputs(
             total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=self.page_size,
             kv_layout=self.kv_layout, device=self.device, max_page=inputs.max_page,
             shared_prefixes=inputs.shared_lens is not None)
-        self._planned = dict(
-            total_q=int(qo[-1]), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, batch=batch, kind=kernel_kind,
-            shared_kv=shared_kv, sm_scale=launch.resolve_sm_scale(sm_scale, head_dim),
-            sizes=dict(batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                       qo_len=max_qo, kv_len=max_kv))
         return plan
 
     @property
@@ -310,7 +314,8 @@ class BatchPrefill:
             if self._forward_to is not None:
                 return self._forward_to(q, kv_cache, return_lse=return_lse, out=out, lse=lse,
                                         **params)
-            raise RuntimeError(f"{type(self).__name__}.run() called before plan()")
+            raise RuntimeError(f"{type(self).__name__}.run() called before plan() (or after a "
+                               f"plan() that raised)")
         if not checks.hold(q, k_cache, v_cache):
             checks.check(q, k_cache, v_cache)
         pl, plan, ws = self._planned, self._plan, self._ws
@@ -375,7 +380,8 @@ def reject_run_kwargs(wrapper, params: dict) -> None:
     for name in _NOT_RUN_KWARGS:
         if name in params:
             value = params.pop(name)
-            if type(value) not in (int, float) or value != 1:
+            if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)) or \
+                    value != 1:
                 owner = wrapper if isinstance(wrapper, str) else type(wrapper).__name__
                 raise ValueError(f"{owner}.run() takes no {name} (other than 1.0): "
                                  f"{_NOT_RUN_KWARGS[name]}")

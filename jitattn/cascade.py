@@ -14,6 +14,8 @@ hooks read neither (shared_prefix.layout_features is empty, as for its "cascade"
 from __future__ import annotations
 
 import dataclasses
+import functools
+import weakref
 
 import numpy as np
 import torch
@@ -161,6 +163,14 @@ class MultiLevelCascade:
                         **params)
 
 
+def _run_cascade(ref, *args, **kwargs):
+    """CascadeDecode.run of the wrapper ``ref`` refers to (a weak reference)."""
+    cd = ref()
+    if cd is None:
+        raise RuntimeError("this run() belongs to a CascadeDecode that no longer exists")
+    return CascadeDecode.run(cd, *args, **kwargs)
+
+
 def _count(rows) -> int:
     return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
 
@@ -273,18 +283,17 @@ class CascadeDecode(MultiLevelCascade):
             # decode of a small batch is host-bound; auto must never be slower than plain).
             # (Not over a subclass's run() or one set on the instance.)
             self.run = self._bound_plain = self.plain.run
-        elif strategy != "plain":
-            # a reference kept from a plain plan (cd.run, a partial of it, torch.compile of
-            # it) is plain's run(): with plain's plan dropped, it calls this plan's run()
-            self.plain.unplan(forward_to=CascadeDecode.run.__get__(self))
         return strategy
 
     def _unbind_plain(self) -> None:
-        """Back to the class's run() (when plan() had bound plain's), with nothing planned."""
+        """Back to the class's run() (when plan() had bound plain's), with nothing planned.
+        A reference kept from a plain plan (cd.run, a partial of it, torch.compile of it) is
+        plain's run(): with plain's plan dropped, it runs this wrapper's run(), so the latest
+        plan whichever it chose (held weakly: the wrappers hold no cycle)."""
         if self._bound_plain is not None and self.__dict__.get("run") is self._bound_plain:
             del self.run
         self._rows, self.chosen, self._bound_plain = None, None, None
-        self.plain.unplan()
+        self.plain.unplan(forward_to=functools.partial(_run_cascade, weakref.ref(self)))
 
     def _plan_plain(self, shared, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim,
                     q_dtype, sm_scale) -> None:

@@ -48,17 +48,39 @@ def test_batch_decode_every_builtin_variant(name, keep_splits):
 
 
 def test_plans_in_and_out_of_inference_mode():
-    """The first plan() allocates the workspace; under torch.inference_mode it made inference
-    tensors, which a later plan() outside inference mode could not update."""
-    w = ja.BatchDecode(ja.Variant("c_inf"), page_size=4, device="cpu")
-    args = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
-            torch.tensor([3], dtype=torch.int32), 8, 2, 64)
+    """The first plan() allocates the workspace (and a custom mask's buffer); under
+    torch.inference_mode it made inference tensors, which a later plan() outside inference
+    mode could not update."""
+    i32 = dict(dtype=torch.int32)
     cache = tuple(torch.randn(4, 4, 2, 64).half() for _ in range(2))
-    q = torch.randn(1, 8, 64).half()
+    q = torch.randn(2, 8, 64).half()
+    w = ja.BatchPrefill(ja.Variant("c_inf", mask="custom"), page_size=4, device="cpu")
+    args = (torch.tensor([0, 2], **i32), torch.tensor([0, 2], **i32), torch.tensor([3, 0], **i32),
+            torch.tensor([2], **i32), 8, 2, 64)
+    mask = torch.tensor([True] * 3 + [False] * 3 + [True] * 6)
     with torch.inference_mode():
-        w.plan(*args)
+        w.plan(*args, custom_mask=mask)
         want = w.run(q, cache)
-    w.plan(*args)
+    w.plan(*args, custom_mask=mask)
+    torch.testing.assert_close(w.run(q, cache), want, rtol=0, atol=0)
+
+
+def test_a_plan_that_raises_keeps_the_last_plan_or_none():
+    """A plan() that fails its checks leaves the previous plan to run(); sm_scale was checked
+    after the new plan's shapes were taken (run() accepted the new q and launched over the
+    old plan: a crash)."""
+    i32 = dict(dtype=torch.int32)
+    cache = tuple(torch.randn(6, 4, 2, 64).half() for _ in range(2))
+    w = ja.BatchDecode(ja.Variant("c_raise"), page_size=4, device="cpu")
+    w.plan(torch.tensor([0, 2], **i32), torch.tensor([0, 1], **i32), torch.tensor([3], **i32),
+           8, 2, 64)
+    q = torch.randn(1, 8, 64).half()
+    want = w.run(q, cache)
+    with pytest.raises(ValueError, match="sm_scale=-1.0"):
+        w.plan(torch.tensor([0, 2, 4], **i32), torch.tensor([0, 1, 2, 3], **i32),
+               torch.tensor([3, 2], **i32), 8, 2, 64, sm_scale=-1.0)
+    with pytest.raises(ValueError, match=r"q has shape \(2, 8, 64\); the plan expects"):
+        w.run(torch.randn(2, 8, 64).half(), cache)
     torch.testing.assert_close(w.run(q, cache), want, rtol=0, atol=0)
 
 

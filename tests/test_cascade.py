@@ -2,7 +2,10 @@
 (CPU backend); beam-search-style parallel sampling as the example."""
 
 import functools
+import gc
+import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -245,6 +248,34 @@ def test_auto_follows_its_latest_choice_and_fills_output_buffers():
         torch.testing.assert_close(compiled(q, cache), want, rtol=0, atol=0)
     auto.plan(*aligned)
     torch.testing.assert_close(kept_cascade(q, cache), auto.run(q, cache), rtol=0, atol=0)
+    torch.testing.assert_close(auto.run(q, cache, k_scale=np.float64(1.0)), want_o, rtol=0,
+                               atol=0)
+    kept_plain = auto.run
+    with pytest.raises(ValueError, match="shared_last_page_len=9"):
+        auto.plan(*((aligned[0], 9) + aligned[2:]))
+    with pytest.raises(RuntimeError, match=r"CascadeDecode.run\(\) called before plan\(\)"):
+        kept_plain(q, cache)  # (plain's run, forwarding to the cascade's: no plan now)
+
+
+def test_cascade_decode_is_freed_without_the_cycle_collector():
+    """The inner plain decode forwards to its CascadeDecode through a weak reference: deleting
+    the wrapper frees it (and its workspaces) at once."""
+    i32 = dict(dtype=torch.int32)
+    args = (torch.tensor([0, 1], **i32), 3, torch.tensor([0, 2, 2, 5], **i32),
+            torch.tensor([3, 4, 5, 6, 7], **i32), torch.tensor([2, 0, 1], **i32), 8, 2, 64)
+    cd = ja.CascadeDecode(ja.Variant("plain_gc"), page_size=4, device="cpu")
+    assert cd.plan(*args) == "cascade"
+    kept = cd.plain.run
+    alive, plain_alive = weakref.ref(cd), weakref.ref(cd.plain)
+    gc.disable()
+    try:
+        del cd
+        assert alive() is None and plain_alive() is not None  # (kept holds the inner plain)
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="belongs to a CascadeDecode that no longer exists"):
+        kept(torch.randn(3, 8, 64).half(), tuple(torch.randn(30, 4, 2, 64).half()
+                                                 for _ in range(2)))
 
 
 def test_auto_binds_plain_run_only_over_its_own():
