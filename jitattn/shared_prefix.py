@@ -290,12 +290,12 @@ class SharedPrefixPrefill:
             if p:
                 contiguous("prefix", self.variant, [prefix_ids], [p])
                 steps.append(("prefix", slice(0, p), "direct", slice(0, p)))
-            contiguous("unique", self.variant, own, s)
-            steps.append(("unique", slice(p, total), "unique", slice(p, total)))
-            if p:
+            if p:  # (before the unique level, whose output may be q itself: out=q)
                 shared = dataclasses.replace(self.variant, mask="none")
                 contiguous("shared", shared, [np.arange(p, total)], [p])
                 steps.append(("shared", slice(p, total), "shared", slice(0, p)))
+            contiguous("unique", self.variant, own, s)
+            steps.append(("unique", slice(p, total), "unique", slice(p, total)))
         elif strategy == "multi_item":
             prefix, positions, longest = multi_item_metadata(p, s)
             rows = np.arange(p + sum(s))
@@ -352,7 +352,7 @@ class SharedPrefixPrefill:
         out = launch.output_buffer("out", out, q.shape, q.dtype, q.device)
         if lse is not None or return_lse:
             lse = launch.output_buffer("lse", lse, q.shape[:2], torch.float32, q.device, align=4)
-        unique_lse = None
+        shared_state = None  # the cascade's shared level, merged once the unique level ran
         whole = slice(0, total)  # rows or keys of the whole layout: the tensors themselves
         for name, rows, kind, keys in self._steps:
             w = self._wrappers[name]
@@ -371,11 +371,13 @@ class SharedPrefixPrefill:
                 (q[rows], out[rows], None if lse is None else lse[rows])
             if kind == "direct":
                 w.run(q_rows, cache, out=out_rows, lse=lse_rows, **params)
-            elif kind == "unique":  # (its lse: lse's rows when given)
+            elif kind == "shared":  # (it reads q's suffix rows before anything writes out)
+                shared_state = w.run(q_rows, cache, return_lse=True, **params)
+            else:  # unique level (its lse: lse's rows when given), then the shared level
+                # merged into its rows (and lse) in place
                 _, unique_lse = w.run(q_rows, cache, out=out_rows, lse=lse_rows,
                                       return_lse=True, **params)
-            else:  # shared level: merged into the unique level's rows (and lse) in place
-                o_s, lse_s = w.run(q_rows, cache, return_lse=True, **params)
-                merge_state_in_place(out_rows, unique_lse, o_s, lse_s,
-                                     reduction=self.variant.reduction)
+                if shared_state is not None:
+                    merge_state_in_place(out_rows, unique_lse, *shared_state,
+                                         reduction=self.variant.reduction)
         return (out, lse) if return_lse else out
