@@ -226,6 +226,10 @@ class SharedPrefixPrefill:
         if not suffix_lens or min(suffix_lens) < 1:
             raise ValueError(f"suffix_lens={suffix_lens}: expected at least one request, each "
                              f"with at least one token of its own")
+        num_qo_heads, num_kv_heads, head_dim = (  # (before "auto" computes with them)
+            int_arg(name, value) for name, value in (
+                ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                ("head_dim", head_dim)))
         strategy = self.choose(prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim) \
             if self.strategy == "auto" else self.strategy
         p, s = prefix_len, suffix_lens

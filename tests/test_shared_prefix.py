@@ -121,6 +121,11 @@ def test_bad_arguments():
         sp.plan(10, [2.0], 4, 4, 64)
     with pytest.raises(TypeError, match=r"suffix_lens=\[True\]"):
         sp.plan(10, [True], 4, 4, 64)
+    # "auto" computes with the head configuration before a strategy's plan checks it (a
+    # string there was a TypeError from inside choose())
+    for heads, text in ((("8", 2, 64), "num_qo_heads='8'"), ((8, None, 64), "num_kv_heads=None")):
+        with pytest.raises(TypeError, match=f"{text}: expected an int >= 1"):
+            SharedPrefixPrefill(variant, device="cpu").plan(64, [4, 4], *heads)
     for strategy in ("naive", "ragged", "cascade"):  # errors name run()'s own arguments
         sp = SharedPrefixPrefill(variant, strategy, device="cpu")
         sp.plan(10, [3], 4, 2, 64)
