@@ -22,3 +22,11 @@ def int_arg(name: str, value, minimum: int = 1, maximum: int | None = None) -> i
     if n < minimum or (maximum is not None and n > maximum):
         raise ValueError(f"{name}={value!r}: expected {expected}")
     return n
+
+
+def bool_arg(name: str, value) -> bool:
+    """``value`` as a Python bool: True / False, or numpy's. Raises TypeError naming ``name``
+    for anything else (a string such as "no" would otherwise count as true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r}: expected True or False")
+    return bool(value)

@@ -24,7 +24,7 @@ import torch
 
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
-from .args import int_arg
+from .args import bool_arg, int_arg
 from .batch_inputs import check_batch
 from .plan import Plan, make_plan
 from .render import QUERY_TILES, query_kind, tiles_for
@@ -45,7 +45,11 @@ def resolve_device(device) -> torch.device:
     CPU backend. Raises ValueError for a CUDA device on a machine without CUDA."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r}: expected a cuda device ('cuda', 'cuda:1') or "
+                         f"'cpu'") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={str(device)!r}: CUDA is not available to this torch "
@@ -102,7 +106,7 @@ class BatchPrefill:
         self.variant, self.page_size, self.kv_layout = variant, page_size, kv_layout
         self.device = resolve_device(device)
         self._handle = ops.register_wrapper(self)  # torch.compile: the op finds us by it
-        self.split_kv = split_kv
+        self.split_kv = bool_arg("split_kv", split_kv)
         self.capacity = {name: int_arg(name, value, CAPACITY_MINIMUMS[name])
                          for name, value in zip(CAPACITY_NAMES, (
                              max_batch_size, max_num_pages, max_work_items, max_partial_rows,
@@ -284,6 +288,8 @@ class BatchPrefill:
         are the longest request). Returns out, or (out, lse) with lse float32 natural log;
         rows that see no key give out 0 and lse -inf. Raises before any launch on bad input.
         """
+        if return_lse.__class__ is not bool:
+            return_lse = bool_arg("return_lse", return_lse)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
             o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2,
                                       extra_scalars=(k_scale, v_scale))
@@ -392,9 +398,8 @@ def _cache_tensors(kv_cache) -> list:
 
 
 # BatchDecode's keywords: BatchPrefill's but query_tile
-_DECODE_KEYWORDS = tuple(
-    name for name, p in inspect.signature(BatchPrefill.__init__).parameters.items()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "query_tile")
+_DECODE_KEYWORDS = tuple(name for name in inspect.signature(BatchPrefill.__init__).parameters
+                         if name not in ("self", "variant", "query_tile"))
 
 
 class BatchDecode(BatchPrefill):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import weakref
 
 import numpy as np
@@ -22,8 +23,9 @@ import torch
 
 from . import masks as masks_mod
 from . import launch, ops
-from .args import int_arg
-from .batch import BatchDecode, BatchPrefill, _cache_tensors, reject_run_kwargs, resolve_device
+from .args import bool_arg, int_arg
+from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors, \
+    reject_run_kwargs, resolve_device
 from .batch_inputs import check_batch
 from .merge import merge_states_into
 from .shared_prefix import layout_features
@@ -34,8 +36,16 @@ class MultiLevelCascade:
     """num_levels levels of shared KV over one paged cache, planned once per step and run per
     layer. page_size, kv_layout, device and capacities as for BatchPrefill."""
 
+    _LEVEL_KEYWORDS = CAPACITY_NAMES + ("split_kv", "query_tile")  # passed on to the levels
+
     def __init__(self, variant: Variant, num_levels: int, page_size: int = 16,
                  kv_layout: str = "NHD", *, device=None, **capacities):
+        unknown = sorted(set(capacities) - set(self._LEVEL_KEYWORDS))
+        if unknown:  # (else Python names BatchPrefill.__init__)
+            named = [n for n, p in inspect.signature(type(self).__init__).parameters.items()
+                     if p.default is not inspect.Parameter.empty]
+            raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments "
+                            f"{unknown}; it takes {named + list(self._LEVEL_KEYWORDS)}")
         if not isinstance(variant, Variant):
             raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
         num_levels = int_arg("num_levels", num_levels)
@@ -124,6 +134,7 @@ class MultiLevelCascade:
         dtype / [total_q, heads] float32, contiguous). params: the variant's runtime
         parameters; k_scale / v_scale are refused (ValueError)."""
         reject_run_kwargs(self, params)
+        return_lse = bool_arg("return_lse", return_lse)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
             o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2)
             return launch.into_outputs(o, s, out, lse, return_lse)
@@ -198,6 +209,8 @@ class CascadeDecode(MultiLevelCascade):
     reference to ``run`` kept across plans (a partial, torch.compile of it) runs the latest
     plan either way. A CUDA graph captures the launches of one strategy: to replay it after
     new plans, fix the strategy ("cascade" or "plain"), since "auto" may switch between them."""
+
+    _LEVEL_KEYWORDS = CAPACITY_NAMES + ("split_kv",)  # (decode: no query_tile)
 
     def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD", *,
                  strategy: str = "auto", device=None, **capacities):

@@ -72,9 +72,11 @@ class RunInputs:
 
     def check(self, q, k_cache, v_cache) -> None:
         """Raises ValueError / TypeError naming the first argument that does not suit the plan."""
-        if not isinstance(q, torch.Tensor) or tuple(q.shape) != self.q_shape:
-            raise ValueError(f"q has shape {tuple(getattr(q, 'shape', ()))}; the plan expects "
-                             f"{self.q_shape}")
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(q.shape) != self.q_shape:
+            raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects {self.q_shape}")
         if q.dtype != self.q_dtype:
             raise TypeError(f"q has dtype {q.dtype}; the plan was made for {self.q_dtype} "
                             f"(plan(..., q_dtype=) sets it)")

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from . import launch, ops, tune
-from .args import int_arg
+from .args import bool_arg, int_arg
 from .batch import CAPACITY_MINIMUMS, CAPACITY_NAMES, BatchPrefill, reject_run_kwargs, \
     resolve_device
 from .merge import merge_state_in_place
@@ -333,6 +333,7 @@ class SharedPrefixPrefill:
         dtype), contiguous. params: the variant's runtime parameters; k_scale / v_scale are
         refused (ValueError)."""
         reject_run_kwargs(self, params)
+        return_lse = bool_arg("return_lse", return_lse)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
             o, s = ops.wrapper_traced(self, q, [k, v], params, num_outputs=2)
             return launch.into_outputs(o, s, out, lse, return_lse)

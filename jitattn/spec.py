@@ -225,8 +225,11 @@ class Variant:
         extra, missing = set(params) - expected, expected - set(params)
         if extra:
             hint = " (the softmax scale is the sm_scale= argument)" if "scale" in extra else ""
-            for name in sorted(extra) if not torch.compiler.is_compiling() else ():
+            for name in sorted(extra - {"scale"}) if not torch.compiler.is_compiling() else ():
                 # (difflib is not traceable: the hint is eager mode's)
+                if name in _CALL_KEYWORDS:  # a keyword of another call (ja.attention(v_scale=))
+                    hint += f"; {name}= is not a keyword of this call"
+                    continue
                 close = difflib.get_close_matches(name, _CALL_KEYWORDS + tuple(expected), n=1)
                 hint += f"; did you mean {close[0]}=?" if close else ""
             raise ValueError(f"unexpected parameter(s) {sorted(extra)} for variant "

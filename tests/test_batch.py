@@ -165,6 +165,10 @@ def test_run_checks_against_the_plan():
         w.run(q, (kv_cache[0][..., :32].contiguous(), kv_cache[1]))
     with pytest.raises(ValueError, match=r"refers to page \d+ but k_cache has 2 pages"):
         w.run(q, (kv_cache[0][:2].contiguous(), kv_cache[1][:2].contiguous()))
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):  # (was: shape ())
+        w.run(q.tolist(), kv_cache)
+    with pytest.raises(TypeError, match="v_cache must be a torch.Tensor, got NoneType"):
+        w.run(q, (kv_cache[0], None))
 
 
 def test_warm_runs_still_refuse_bad_inputs():
@@ -354,6 +358,9 @@ def test_device_defaults_to_what_the_machine_has():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device='cuda'.*device='cpu'"):
             ja.BatchPrefill(ja.Variant("plain"), device="cuda")
+    with pytest.raises(ValueError, match=r"device='gpu': expected a cuda device \('cuda', "
+                                         r"'cuda:1'\) or 'cpu'"):  # (torch's error named no
+        ja.BatchDecode(ja.Variant("plain"), device="gpu")         # argument)
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
@@ -432,8 +439,19 @@ def test_query_tile_is_checked():
         ja.BatchDecode(ja.Variant("c"), device="cpu", query_tile="short")
     # a misspelt keyword is BatchDecode's error (Python's named BatchPrefill.__init__)
     with pytest.raises(TypeError, match=r"BatchDecode\(\) got unexpected keyword arguments "
-                                        r"\['max_batch'\]; it takes \['device', 'max_batch_size'"):
+                                        r"\['max_batch'\]; it takes \['page_size', 'kv_layout', "
+                                        r"'device', 'max_batch_size'"):
         ja.BatchDecode(ja.Variant("c"), device="cpu", max_batch=8)
+    for cls, args, text in ((ja.CascadeDecode, (), r"\['page_size', 'kv_layout', 'strategy', "
+                                                  r"'device', 'max_batch_size'"),
+                            (ja.MultiLevelCascade, (2,), r"\['page_size', 'kv_layout', 'device', "
+                                                        r"'max_batch_size'.*'query_tile'\]")):
+        with pytest.raises(TypeError, match=rf"{cls.__name__}\(\) got unexpected keyword "
+                                            rf"arguments \['page_sise'\]; it takes {text}"):
+            cls(ja.Variant("c"), *args, device="cpu", page_sise=8)
+    with pytest.raises(TypeError, match=r"CascadeDecode\(\) got unexpected keyword arguments "
+                                        r"\['query_tile'\]"):  # (its levels decode)
+        ja.CascadeDecode(ja.Variant("c"), device="cpu", query_tile="short")
     assert ja.BatchDecode(ja.Variant("c"), device="cpu", max_batch_size=8,
                           split_kv=False).capacity["max_batch_size"] == 8
 

@@ -2,6 +2,7 @@
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -173,6 +174,29 @@ def test_a_misspelt_keyword_is_named():
                                          r"variant 'plain'; it takes none; did you mean "
                                          r"return_lse=\?"):
         ja.attention(q, k, k, ja.Variant("plain"), retrun_lse=True)
+    # no hint that names the keyword itself, nor a second one after sm_scale's
+    with pytest.raises(ValueError, match=r"\['v_scale'\] for variant 'plain'; it takes none; "
+                                         r"v_scale= is not a keyword of this call$"):
+        ja.attention(q, k, k, ja.Variant("plain"), v_scale=2.0)
+    with pytest.raises(ValueError, match=r"\(the softmax scale is the sm_scale= argument\)$"):
+        ja.attention(q, k, k, ja.Variant("plain"), scale=0.1)
+
+
+def test_flags_must_be_bools():
+    """A string flag counted as true (return_lse="no" returned a tuple)."""
+    q, k = torch.randn(2, 4, 64).half(), torch.randn(3, 2, 64).half()
+    with pytest.raises(TypeError, match=r"return_lse='no': expected True or False"):
+        ja.attention(q, k, k, ja.Variant("plain"), return_lse="no")
+    with pytest.raises(TypeError, match=r"split_kv='no': expected True or False"):
+        ja.BatchDecode(ja.Variant("plain"), device="cpu", split_kv="no")
+    w = ja.BatchDecode(ja.Variant("plain"), page_size=4, device="cpu")
+    i32 = dict(dtype=torch.int32)
+    w.plan(torch.tensor([0, 1], **i32), torch.tensor([0], **i32), torch.tensor([3], **i32),
+           4, 2, 64)
+    cache = tuple(torch.randn(1, 4, 2, 64).half() for _ in range(2))
+    with pytest.raises(TypeError, match=r"return_lse=1: expected True or False"):
+        w.run(q[:1], cache, return_lse=1)
+    assert len(w.run(q[:1], cache, return_lse=np.bool_(True))) == 2
     with pytest.raises(ja.SpecError, match=r"returned something other than an expression: "
                                            r"cannot use NoneType"):
         ja.Variant("none", score_mod=lambda s, b, h, q_idx, kv_idx: None)
