@@ -100,10 +100,11 @@ def check_batch(qo, kv_indptr, kv_indices, kv_last_page_len, *, decode: bool, kv
                          f"num_kv_heads ({num_kv_heads})")
     if int_arg("head_dim", head_dim) not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim!r}: expected one of {HEAD_DIMS}")
+    if q_dtype not in dtypes.QKV_DTYPES:
+        raise TypeError(f"q_dtype={q_dtype!r}: expected one of {dtypes.QKV_DTYPES}")
     kv_dtype = q_dtype if kv_dtype is None else kv_dtype
-    if q_dtype not in dtypes.QKV_DTYPES or kv_dtype not in (q_dtype,) + dtypes.FP8_KV_DTYPES:
-        raise TypeError(f"q_dtype={q_dtype}, kv_dtype={kv_dtype}: expected q_dtype one of "
-                        f"{dtypes.QKV_DTYPES} and kv_dtype q_dtype or one of "
+    if kv_dtype not in (q_dtype,) + dtypes.FP8_KV_DTYPES:
+        raise TypeError(f"kv_dtype={kv_dtype!r}: expected q_dtype ({q_dtype}) or one of "
                         f"{dtypes.FP8_KV_DTYPES}")
     if batch > capacity["max_batch_size"]:
         raise ValueError(f"batch of {batch} requests exceeds max_batch_size="

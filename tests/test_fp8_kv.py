@@ -55,8 +55,14 @@ def test_fp8_kv_errors_name_the_argument():
     cache8, _ = _fp8_cache(kv_cache)
     q = torch.randn(2, 4, 64, dtype=torch.float16)
     w = ja.BatchDecode(ja.Variant("c", mask="causal"), page_size=16, device="cpu")
-    with pytest.raises(TypeError, match="kv_dtype"):
-        w.plan(kv_indptr, kv_indices, last, 4, 2, 64, q_dtype=FP8)
+    # each dtype argument named on its own (a string q_dtype was shown as if a dtype, with a
+    # kv_dtype the caller never gave)
+    for kwargs, text in ((dict(q_dtype=FP8), "q_dtype=torch.float8_e4m3fn: expected one of"),
+                         (dict(q_dtype="float16"), "q_dtype='float16': expected one of"),
+                         (dict(kv_dtype=torch.float32), r"kv_dtype=torch.float32: expected "
+                                                        r"q_dtype \(torch.float16\) or one of")):
+        with pytest.raises(TypeError, match=text):
+            w.plan(kv_indptr, kv_indices, last, 4, 2, 64, **kwargs)
     w.plan(kv_indptr, kv_indices, last, 4, 2, 64, kv_dtype=FP8)
     with pytest.raises(TypeError, match="k_cache has dtype torch.float16; the plan was made "
                                         "for kv_dtype=torch.float8_e4m3fn"):
