@@ -17,6 +17,8 @@ _MAX_GRID_Y = 65535
 
 
 def _check_qkv(q, k, v) -> None:
+    """Raises TypeError / ValueError naming the first of q, k, v that attention() cannot
+    take."""
     for name, t, shape in (("q", q, "[total_q, num_qo_heads, head_dim]"),
                            ("k", k, "[total_kv, num_kv_heads, head_dim]"),
                            ("v", v, "[total_kv, num_kv_heads, head_dim]")):
@@ -171,12 +173,28 @@ def _device_indptr(host: list[int] | None, device):
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
+# one request's launches (launch.Launcher) by variant, shapes, dtype and device: what they
+# resolve follows from those alone (a ragged batch's indptrs are new tensors every call)
+_LAUNCHERS: dict = {}
+_MAX_LAUNCHERS = 64
+
+
 def _launch(q, k, v, out, lse, variant, bound, ragged, qo_host, kv_host, batch, max_qo,
             sm_scale):
-    launch.run_attention(
+    key = None if ragged else (variant.key, q.shape, k.shape, q.dtype, q.device)
+    launcher = _LAUNCHERS.get(key)
+    if launcher is not None:
+        launcher(q, k, v, out, lse, launch.kv_strides(k, "ragged"),
+                 launch.kv_strides(v, "ragged"), sm_scale, variant, bound)
+        return
+    launcher = launch.run_attention(
         q, launch.KVView.ragged(k, v), out, lse, variant, bound, num_kv_heads=k.shape[1],
         kind=render.query_kind(max_qo, q.shape[1] // k.shape[1], q.shape[2]),
         qo_indptr=_device_indptr(qo_host, q.device) if ragged else None,
         kv_indptr=_device_indptr(kv_host, q.device) if ragged else None,
         batch=batch, max_qo_len=max_qo, single_qo_len=qo_host[-1], single_kv_len=kv_host[-1],
         sm_scale=sm_scale)
+    if key is not None:
+        if len(_LAUNCHERS) >= _MAX_LAUNCHERS:
+            _LAUNCHERS.clear()
+        _LAUNCHERS[key] = launcher

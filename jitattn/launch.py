@@ -230,14 +230,14 @@ def _tma_map(t: torch.Tensor, box_rows: int) -> bytes | None:
     return tmap
 
 
-def tma_values(kv: KVView, box_rows: int) -> tuple:
+def tma_values(k: torch.Tensor, v: torch.Tensor, paged: bool, box_rows: int) -> tuple:
     """The last arguments of the kernels that copy with TMA (render.RenderedSource.tma): kv_tma
     (1 when both maps exist) and the TMA maps of ragged k and v with boxes of box_rows rows,
     k's then v's (zeros for a paged cache, which TMA cannot gather, or where _tma_map refuses:
     the kernel then copies with cp.async)."""
     k_map = v_map = None
-    if kv.kv_indices is None:
-        k_map, v_map = _tma_map(kv.k, box_rows), _tma_map(kv.v, box_rows)
+    if not paged:
+        k_map, v_map = _tma_map(k, box_rows), _tma_map(v, box_rows)
     if k_map is None or v_map is None:
         return 0, _NO_MAPS
     return 1, k_map + v_map
@@ -262,13 +262,12 @@ def device_index(t: torch.Tensor) -> int:
 def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int, kind: str,
                   qo_indptr=None, kv_indptr=None, plan: DevicePlan | None = None, batch: int,
                   max_qo_len: int, single_qo_len: int, single_kv_len: int,
-                  sm_scale: float, shared_kv: bool = False) -> Launcher | None:
+                  sm_scale: float, shared_kv: bool = False) -> Launcher:
     """Launch one attention kernel: the CPU backend for CPU tensors, else the CUDA kernel of
     ``kind`` ("prefill" | "decode"), on a persistent grid of plan.num_ctas CTAs when planned;
     shared_kv: the build that reads shared prefixes (the plan has some). lse None: the
     kernel stores no lse. Returns the Launcher that repeats this launch for other tensors of
-    the same shapes, dtypes, device and layout, or None where the arguments follow k and v's
-    addresses (the TMA maps of ragged K/V)."""
+    the same shapes, dtypes, device and layout."""
     head_dim = q.shape[2]
     fixed = _fixed_args(qo_indptr, kv_indptr, plan, batch, single_qo_len, single_kv_len,
                         q.shape[1], num_kv_heads, kv.kv_indices, kv.page_size)
@@ -286,13 +285,9 @@ def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
         else:
             g = q.shape[1] // num_kv_heads
             grid = (-(-max_qo_len * g // kernel.rows_per_cta), batch, num_kv_heads)
-        if kernel.tma:
-            values = _fill_args(fixed, q, kv.k, kv.v, out, lse, kv.k_strides, kv.v_strides,
-                                sm_scale, variant, bound)
-            kernel.launch(grid, _attention_kinds(variant, tma=True),
-                          values + list(tma_values(kv, kernel.kv_tile)), current_stream(index))
-            return None
-        launcher = Launcher(kernel, _attention_kinds(variant), fixed, grid, index)
+        launcher = Launcher(kernel, _attention_kinds(variant, tma=kernel.tma), fixed, grid,
+                            index, tma_box=kernel.kv_tile if kernel.tma else 0,
+                            paged=kv.kv_indices is not None)
     launcher(q, kv.k, kv.v, out, lse, kv.k_strides, kv.v_strides, sm_scale, variant, bound)
     return launcher
 
@@ -311,10 +306,14 @@ class Launcher:
     grid: tuple = ()
     device_index: int = -1       # -1: the CPU backend
     entry: str = ""              # the CPU backend's symbol
+    tma_box: int = 0             # > 0: the kernel takes TMA maps of k and v with these rows
+    paged: bool = False          # (then the maps are zeros: TMA cannot gather pages)
 
     def __call__(self, q, k, v, out, lse, k_strides, v_strides, sm_scale, variant, bound):
         values = _fill_args(self.fixed, q, k, v, out, lse, k_strides, v_strides, sm_scale,
                             variant, bound)
+        if self.tma_box:  # (the maps follow k and v's addresses)
+            values += tma_values(k, v, self.paged, self.tma_box)
         if self.device_index < 0:
             self.kernel.launch(self.entry, self.kinds, values)
         else:

@@ -133,3 +133,16 @@ def test_cache_key_ignores_where_the_mod_is_written():
     from jitattn import render
     assert render.render_cpu(first, head_dim=64).code == \
         render.render_cpu(second, head_dim=64).code
+
+
+def test_repeated_calls_take_each_calls_tensors():
+    """ja.attention keeps a single request's launch by variant, shapes, dtype and device
+    (launch.Launcher); a later call of the same shapes reads its own tensors, strides and
+    parameters (a launch that kept the first call's arguments fails here)."""
+    variant = ja.Variant("cap_param", score_mod=ja.soft_cap(ja.scalar("cap")))
+    gen = torch.Generator().manual_seed(21)
+    q1, q2 = (torch.randn(37, 8, 64, generator=gen).half() for _ in range(2))
+    k1, v1 = (torch.randn(50, 2, 64, generator=gen).half() for _ in range(2))
+    wide = torch.randn(50, 4, 64, generator=gen).half()  # k2, v2: strided views
+    check(variant, {"cap": 20.0}, q1, k1, v1)
+    check(variant, {"cap": 5.0}, q2, wide[:, :2], wide[:, 2:])

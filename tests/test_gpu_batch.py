@@ -255,14 +255,14 @@ def test_tma_copy_equals_the_cp_async_copy(dtype, head_dim, monkeypatch):
 
     k, v = poisoned(k), poisoned(v)
     for box_rows in (128, 192):  # the K/V tiles of the two variants below
-        assert launch.tma_values(launch.KVView.ragged(k, v), box_rows)[0] == 1
+        assert launch.tma_values(k, v, False, box_rows)[0] == 1
     for variant in (ja.Variant("causal", mask="causal"),
                     ja.Variant("softcap", score_mod=ja.soft_cap(30.0))):
         check(variant, {}, q, k, v, qo_indptr, kv_indptr)
         out, lse = ja.attention(q, k, v, variant, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
                                 return_lse=True)
         with monkeypatch.context() as m:
-            m.setattr(launch, "tma_values", lambda kv, box_rows: (0, bytes(256)))
+            m.setattr(launch, "tma_values", lambda k, v, paged, box_rows: (0, bytes(256)))
             out_cp, lse_cp = ja.attention(q, k, v, variant, qo_indptr=qo_indptr,
                                           kv_indptr=kv_indptr, return_lse=True)
         assert torch.equal(out, out_cp) and torch.equal(lse, lse_cp)
