@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from . import dtypes, launch, ops, render
+from . import dtypes, jit, launch, ops, render
 from .args import bool_arg
 from .plan import check_seq_lens
 from .render import HEAD_DIMS
@@ -173,16 +173,16 @@ def _device_indptr(host: list[int] | None, device):
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
-# one request's launches (launch.Launcher) by variant, shapes, dtype and device: what they
-# resolve follows from those alone (a ragged batch's indptrs are new tensors every call)
-_LAUNCHERS: dict = {}
+# one request's launches (launch.Launcher, in jit.LAUNCHERS) by variant, shapes, dtype and
+# device: what they resolve follows from those alone (a ragged batch's indptrs are new tensors
+# every call)
 _MAX_LAUNCHERS = 64
 
 
 def _launch(q, k, v, out, lse, variant, bound, ragged, qo_host, kv_host, batch, max_qo,
             sm_scale):
     key = None if ragged else (variant.key, q.shape, k.shape, q.dtype, q.device)
-    launcher = _LAUNCHERS.get(key)
+    launcher = jit.LAUNCHERS.get(key)
     if launcher is not None:
         launcher(q, k, v, out, lse, launch.kv_strides(k, "ragged"),
                  launch.kv_strides(v, "ragged"), sm_scale, variant, bound)
@@ -195,6 +195,6 @@ def _launch(q, k, v, out, lse, variant, bound, ragged, qo_host, kv_host, batch, 
         batch=batch, max_qo_len=max_qo, single_qo_len=qo_host[-1], single_kv_len=kv_host[-1],
         sm_scale=sm_scale)
     if key is not None:
-        if len(_LAUNCHERS) >= _MAX_LAUNCHERS:
-            _LAUNCHERS.clear()
-        _LAUNCHERS[key] = launcher
+        if len(jit.LAUNCHERS) >= _MAX_LAUNCHERS:
+            jit.LAUNCHERS.clear()
+        jit.LAUNCHERS[key] = launcher

@@ -45,9 +45,11 @@ def resolve_device(device) -> torch.device:
     CPU backend. Raises ValueError for a CUDA device on a machine without CUDA."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = f"cuda:{device}"  # (torch's int devices are its accelerator's)
     try:
         device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
+    except (RuntimeError, TypeError):
         raise ValueError(f"device={device!r}: expected a cuda device ('cuda', 'cuda:1') or "
                          f"'cpu'") from None
     if device.type == "cuda":

@@ -23,6 +23,9 @@ from .spec import Variant
 
 log = logging.getLogger("jitattn")
 _MEMO: dict = {}
+# launch.Launcher objects that callers keep by their own keys (api.attention): they hold
+# memoised kernels, so they are forgotten with them
+LAUNCHERS: dict = {}
 
 
 def _say(msg: str) -> None:
@@ -150,8 +153,10 @@ def _built_and_loaded(src: RenderedSource, arch: str | None, loader):
 
 
 def clear_memo() -> None:
-    """Forget loaded kernels (tests use it to force the disk path)."""
+    """Forget loaded kernels and the launchers kept on them (tests use it to force the disk
+    path)."""
     _MEMO.clear()
+    LAUNCHERS.clear()
 
 
 def get_merge_kernel(*, backend: str, in_tag: str, out_tag: str, device_index: int = 0):

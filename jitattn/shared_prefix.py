@@ -353,8 +353,12 @@ class SharedPrefixPrefill:
                 if t.dtype != dtype:
                     raise TypeError(f"{name} has dtype {t.dtype}; the plan was made for {dtype} "
                                     f"(plan(..., q_dtype=) sets it)")
+        caller_out = out is not None
         # (contiguous, as q may not be)
-        out = launch.output_buffer("out", out, q.shape, q.dtype, q.device)
+        given = out = launch.output_buffer("out", out, q.shape, q.dtype, q.device)
+        if caller_out and any(given.untyped_storage().data_ptr() ==
+                              t.untyped_storage().data_ptr() for t in (k, v)):
+            out = torch.empty_like(given)  # (the strategies read k / v while they write out)
         if lse is not None or return_lse:
             lse = launch.output_buffer("lse", lse, q.shape[:2], torch.float32, q.device, align=4)
         shared_state = None  # the cascade's shared level, merged once the unique level ran
@@ -385,4 +389,6 @@ class SharedPrefixPrefill:
                 if shared_state is not None:
                     merge_state_in_place(out_rows, unique_lse, *shared_state,
                                          reduction=self.variant.reduction)
+        if out is not given:
+            out = given.copy_(out)
         return (out, lse) if return_lse else out

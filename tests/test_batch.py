@@ -361,6 +361,9 @@ def test_device_defaults_to_what_the_machine_has():
     with pytest.raises(ValueError, match=r"device='gpu': expected a cuda device \('cuda', "
                                          r"'cuda:1'\) or 'cpu'"):  # (torch's error named no
         ja.BatchDecode(ja.Variant("plain"), device="gpu")         # argument)
+    if not torch.cuda.is_available():  # an int is a CUDA device's index
+        with pytest.raises(ValueError, match="device='cuda:0': CUDA is not available"):
+            ja.BatchDecode(ja.Variant("plain"), device=0)
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
