@@ -69,8 +69,9 @@ def test_the_graph_holds_one_jitattn_op():
 
 def test_planned_wrappers_compile_fullgraph_and_follow_new_plans():
     """BatchDecode and SharedPrefixPrefill run() inside torch.compile(fullgraph) as one op
-    each (the variant's scalar and run()'s v_scale pass through it); plan() between calls
-    changes the lengths without a recompile (same tensor shapes)."""
+    per call (the variant's scalar and run()'s v_scale pass through it; SharedPrefixPrefill's
+    lse too); plan() between calls changes the lengths without a recompile (same tensor
+    shapes)."""
     i32 = dict(dtype=torch.int32)
     cap = ja.scalar("cap")
     variant = ja.Variant("softcap_runtime", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
@@ -86,7 +87,8 @@ def test_planned_wrappers_compile_fullgraph_and_follow_new_plans():
 
     def step(q, qs, ks, vs):
         out, lse = decode.run(q, cache, return_lse=True, cap=25.0, v_scale=0.5)
-        return out * 2, lse, shared.run(qs, ks, vs)
+        shared_out, shared_lse = shared.run(qs, ks, vs, return_lse=True)
+        return out * 2, lse, shared_out, shared_lse, shared.run(qs, ks, vs)
 
     compiled = torch.compile(step, fullgraph=True, backend=recording_backend)
     for pages, last, (prefix, suffixes) in (([2, 10, 5], [1, 4, 2], (20, [3, 5])),
@@ -102,7 +104,7 @@ def test_planned_wrappers_compile_fullgraph_and_follow_new_plans():
             want = step(q, qs, ks, vs)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
-    assert len(graphs) == 1 and graphs[0].count("jitattn.wrapper_run") == 2
+    assert len(graphs) == 1 and graphs[0].count("jitattn.wrapper_run") == 3
 
 
 def test_cascade_decode_compiles_fullgraph():
