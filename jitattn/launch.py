@@ -160,17 +160,6 @@ def _attention_kinds(variant, tma: bool = False) -> tuple:
     return kinds
 
 
-def attention_args(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
-                   qo_indptr=None, kv_indptr=None, plan: DevicePlan | None = None, batch: int,
-                   single_qo_len: int, single_kv_len: int, sm_scale: float) -> tuple:
-    """The attention kernels' arguments (both backends): (kinds, values), kinds a tuple of
-    "ptr" | "i32" | "i64" | "f32" (the same tuple object for every call of one variant)."""
-    fixed = _fixed_args(qo_indptr, kv_indptr, plan, batch, single_qo_len, single_kv_len,
-                        q.shape[1], num_kv_heads, kv.kv_indices, kv.page_size)
-    return _attention_kinds(variant), _fill_args(fixed, q, kv.k, kv.v, out, lse, kv.k_strides,
-                                                 kv.v_strides, sm_scale, variant, bound)
-
-
 def _fixed_args(qo_indptr, kv_indptr, plan, batch, single_qo_len, single_kv_len,
                 num_qo_heads, num_kv_heads, kv_indices, page_size) -> tuple:
     """The arguments that a plan's calls share, in two runs: after the five tensors' addresses,

@@ -57,9 +57,11 @@ def test_cuda_launch_packs_every_argument_in_order(monkeypatch):
     bound = variant.bind({"cap": 20.0, "slopes": torch.ones(4)}, device=q.device,
                          sizes=w._planned["sizes"])
     kv = launch.KVView.paged(k, v, w._ws.view("kv_indices"), "NHD")
-    kinds, values = launch.attention_args(q, kv, out, lse, variant, bound, num_kv_heads=2,
-                                          plan=w._device_plan, batch=2, single_qo_len=0,
-                                          single_kv_len=0, sm_scale=0.125)
+    fixed = launch._fixed_args(None, None, w._device_plan, 2, 0, 0, 4, 2, kv.kv_indices,
+                               kv.page_size)
+    kinds = launch._attention_kinds(variant)
+    values = launch._fill_args(fixed, q, k, v, out, lse, kv.k_strides, kv.v_strides, 0.125,
+                               variant, bound)
     assert len(kinds) == len(values) == 32 + 1 + 2
     assert values[0] == q.data_ptr() and values[-3] == 20.0
     assert values[-2] == bound["slopes"].data_ptr() and values[-1] == 4
