@@ -1,18 +1,18 @@
 """torch.library custom ops for jitattn's entry points, so that torch.compile(fullgraph=True)
 traces a model that calls jitattn without graph breaks.
 
-``jitattn.attention``: one op per variant (the variant's code and captured tensors are fixed by
-the op; its runtime parameters are op arguments). The planned wrappers (BatchPrefill,
-BatchDecode, SharedPrefixPrefill, the cascades): one op, ``jitattn::wrapper_run``, that calls
-the run() of the wrapper named by an integer handle, so the graph holds the handle and the
-wrapper's current plan is used at every call (re-planning needs no recompile). Each op has a
-fake implementation that only produces output shapes. While torch.compile traces, the entry
-points route through the ops; eagerly they run directly.
+``jitattn.attention``: one op, ``jitattn::attention``, that runs the Variant named by an
+integer handle (its runtime parameters are op arguments; the handles map to Variants weakly,
+so a Variant and the tensors it captured are freed with the caller's last reference). The
+planned wrappers (BatchPrefill, BatchDecode, SharedPrefixPrefill, the cascades): one op,
+``jitattn::wrapper_run``, that calls the run() of the wrapper named by an integer handle, so the
+graph holds the handle and the wrapper's current plan is used at every call (re-planning needs
+no recompile). Each op has a fake implementation that only produces output shapes. While
+torch.compile traces, the entry points route through the ops; eagerly they run directly.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 import numbers
@@ -22,18 +22,22 @@ import numpy as np
 import torch
 
 from .dsl import ScalarParam
-from .spec import ON_CREATE, Variant
+from .spec import ON_CREATE, PER_OBJECT, Variant
 
-_OPS: dict = {}
-
-_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? qo_indptr, Tensor? kv_indptr, float sm_scale, "
-           "Tensor[] tensors, float[] scalars) -> (Tensor, Tensor)")
+_VARIANTS: "weakref.WeakValueDictionary[int, Variant]" = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count()
 
 
-def _op_name(variant: Variant) -> str:
-    captured = ",".join(str(id(p.captured)) for p in variant.tensor_params if p.captured is not None)
-    digest = hashlib.sha256(f"{variant.key}|{captured}".encode()).hexdigest()[:16]
-    return f"jitattn::attention_{digest}"
+def register_variant(variant: Variant) -> None:
+    """Give ``variant`` the handle by which the attention op finds it (spec.ON_CREATE: every
+    new Variant, a copy and an unpickled one too; kept weakly)."""
+    handle = next(_NEXT_HANDLE)
+    _VARIANTS[handle] = variant
+    object.__setattr__(variant, "_op_handle", handle)
+
+
+ON_CREATE.append(register_variant)
+PER_OBJECT.add("_op_handle")
 
 
 def _split_params(variant: Variant, params: dict) -> tuple[list, list]:
@@ -60,35 +64,26 @@ def _split_params(variant: Variant, params: dict) -> tuple[list, list]:
     return tensors, scalars
 
 
-def attention_op(variant: Variant):
-    """The custom op computing ``jitattn.attention`` for ``variant``, registered when the
-    variant is created (spec.ON_CREATE) and kept on it as ``variant._attention_op``."""
-    name = _op_name(variant)
-    op = _OPS.get(name)
-    if op is not None:
-        object.__setattr__(variant, "_attention_op", op)
-        return op
-    from .api import attention  # the eager implementation
-    scalar_names = [p.name for p in variant.params if isinstance(p, ScalarParam)]
-    tensor_names = [p.name for p in variant.params
-                    if not isinstance(p, ScalarParam) and p.captured is None]
-
-    def impl(q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
-        params = dict(zip(tensor_names, tensors)) | dict(zip(scalar_names, scalars))
-        kw = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr) if qo_indptr is not None else {}
-        return attention(q, k, v, variant, sm_scale=sm_scale, return_lse=True, **kw, **params)
-
-    def fake(q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
-        return _fresh_outputs(q)
-
-    op = torch.library.custom_op(name, impl, mutates_args=(), schema=_SCHEMA)
-    op.register_fake(fake)
-    _OPS[name] = op
-    object.__setattr__(variant, "_attention_op", op)
-    return op
+def _attention_impl(handle, q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
+    variant = _VARIANTS.get(handle)
+    if variant is None:
+        raise RuntimeError(f"jitattn Variant {handle} no longer exists (a compiled graph "
+                           f"outlived the Variant it was traced with)")
+    from .api import attention  # (api imports this module)
+    kw = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr) if qo_indptr is not None else {}
+    return attention(q, k, v, variant, sm_scale=sm_scale, return_lse=True, **kw,
+                     **_params_of(variant, tensors, scalars))
 
 
-ON_CREATE.append(attention_op)
+def _attention_fake(handle, q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
+    return _fresh_outputs(q)
+
+
+_attention = torch.library.custom_op(
+    "jitattn::attention", _attention_impl, mutates_args=(),
+    schema="(int variant, Tensor q, Tensor k, Tensor v, Tensor? qo_indptr, Tensor? kv_indptr, "
+           "float sm_scale, Tensor[] tensors, float[] scalars) -> (Tensor, Tensor)")
+_attention.register_fake(_attention_fake)
 
 
 def _fresh_outputs(q) -> list:
@@ -106,14 +101,13 @@ def attention_traced(q, k, v, variant, *, qo_indptr, kv_indptr, sm_scale, return
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     tensors, scalars = _split_params(variant, params)
-    out, lse = variant._attention_op(q, k, v, qo_indptr, kv_indptr, float(sm_scale), tensors,
-                                     scalars)
+    out, lse = _attention(variant._op_handle, q, k, v, qo_indptr, kv_indptr, float(sm_scale),
+                          tensors, scalars)
     return (out, lse) if return_lse else out
 
 
 # -- the planned wrappers ----------------------------------------------------------------------
 _WRAPPERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_NEXT_HANDLE = itertools.count()
 
 
 def register_wrapper(wrapper) -> int:

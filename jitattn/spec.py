@@ -31,9 +31,13 @@ _CALL_KEYWORDS = ("return_lse", "sm_scale", "out", "lse", "qo_indptr", "kv_indpt
                   "v_scale")
 
 MASKS = ("none", "causal", "custom", "multi_item")
-#: Called with every new Variant (ops.py registers torch custom ops here, so that nothing has
-#: to be registered while torch.compile traces).
+#: Called with every new Variant, and with a copy or an unpickled one (ops.py gives each the
+#: handle its torch custom op finds it by, so that nothing is registered while torch.compile
+#: traces).
 ON_CREATE: list = []
+#: Attributes the ON_CREATE hooks set on one Variant object: a copy or a pickle leaves them out
+#: (the hooks set its own).
+PER_OBJECT: set = set()
 REDUCTIONS = ("softmax", "sigmoid")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # (fullmatch: "$" takes a final newline)
 
@@ -167,7 +171,15 @@ class Variant:
             raise SpecError(f"Variant {self.name!r}: Python's recursion limit was reached "
                             f"walking its score_mod / mask_mod (called from deep in the stack); "
                             f"raise sys.setrecursionlimit or build the variant higher up") from None
-        for hook in ON_CREATE:  # e.g. ops.py registers the variant's torch custom op
+        for hook in ON_CREATE:  # e.g. ops.py registers the variant for its torch custom op
+            hook(self)
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in PER_OBJECT}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        for hook in ON_CREATE:
             hook(self)
 
     # -- identity ---------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def test_the_graph_holds_one_jitattn_op():
     q, k = torch.randn(7, 4, 64).half(), torch.randn(9, 4, 64).half()
     with torch.inference_mode():
         out = torch.compile(f, fullgraph=True, backend=recording_backend)(q, k, k)
-    assert len(graphs) == 1 and graphs[0].count("jitattn.attention_") == 1
+    assert len(graphs) == 1 and graphs[0].count("jitattn.attention.default") == 1
     torch.testing.assert_close(out, ja.attention(q, k, k, variant) * 2)
 
 
@@ -155,3 +155,42 @@ def test_traced_attention_matches_eager_semantics():
                              (dict(capp=3.0), r"unexpected parameter\(s\) \['capp'\]")):
             with pytest.raises(Exception, match=text):  # (Dynamo may wrap the error)
                 compile(lambda q: ja.attention(q, k, v, variant, **kwargs))(q)
+
+
+def test_a_variant_and_its_captured_tensors_are_freed_with_the_last_reference():
+    """A Variant rebuilt per batch around new captured tensors (document ids, FlexAttention's
+    pattern) is freed with them once the caller drops it, after eager and compiled calls (its
+    torch custom op used to keep both for the life of the process); a copy has its own handle;
+    a graph whose Variant is gone raises instead of running another."""
+    import copy
+    import gc
+    import weakref
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(9, 4, 64, generator=gen).half(), torch.randn(9, 2, 64, generator=gen).half()
+
+    def document_variant(ids):
+        return ja.Variant("docs", mask="causal", mask_mod=lambda b, h, qi, ki: ids[qi] == ids[ki])
+
+    def compiled_call(variant):
+        return torch.compile(lambda x: ja.attention(x, k, k, variant), fullgraph=True,
+                             backend="aot_eager")(q)
+    freed = []
+    for step in range(3):
+        doc_ids = torch.tensor([0] * (3 + step) + [1] * (6 - step), dtype=torch.int32)
+        variant = document_variant(doc_ids)
+        want = reference.attention(q, k, k, variant)
+        with torch.inference_mode():
+            torch.testing.assert_close(ja.attention(q, k, k, variant), want.half(),
+                                       atol=3e-3, rtol=3e-3)
+            torch.testing.assert_close(compiled_call(variant), want.half(), atol=3e-3,
+                                       rtol=3e-3)
+        twin = copy.copy(variant)
+        assert twin._op_handle != variant._op_handle and twin.key == variant.key
+        handle = variant._op_handle
+        freed.append(weakref.ref(doc_ids))
+        del doc_ids, variant, twin, want
+        torch._dynamo.reset()  # (Dynamo's cache holds the traced function's globals)
+        gc.collect()
+        assert [r() for r in freed] == [None] * len(freed)
+        with pytest.raises(RuntimeError, match=f"jitattn Variant {handle} no longer exists"):
+            torch.ops.jitattn.attention(handle, q, k, k, None, None, 0.125, [], [])
