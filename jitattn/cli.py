@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -210,7 +211,13 @@ def main(argv=None) -> int:
         print("jitattn compile: nvcc not found; use --cpu or install the CUDA toolkit",
               file=sys.stderr)
         return 2
-    return args.fn(args)
+    try:
+        status = args.fn(args)
+        sys.stdout.flush()  # (here, so that a reader gone early is caught below)
+        return status
+    except BrokenPipeError:  # the reader stopped early (`jitattn cache ls | head -1`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (exit's flush)
+        return 1
 
 
 if __name__ == "__main__":

@@ -263,11 +263,11 @@ class Variant:
         for p in self._params:
             if isinstance(p, ScalarParam):
                 val = params[p.name]
-                if isinstance(val, torch.Tensor) and val.numel() == 1:
-                    val = val.item()
                 if isinstance(val, (bool, np.bool_)) or not isinstance(val, numbers.Real):
+                    hint = " (read a tensor once with .item(): a tensor here would cost a " \
+                        "device sync per call)" if isinstance(val, torch.Tensor) else ""
                     raise TypeError(f"parameter {p.name!r} must be a Python number, got "
-                                    f"{type(val).__name__}")
+                                    f"{type(val).__name__}{hint}")
                 try:  # the kernels take float32: a larger value would become inf there
                     val = float(val)
                     finite = abs(val) <= _FLOAT32_MAX
@@ -298,7 +298,7 @@ class Variant:
                                  f"(the device of q)")
             if not t.is_contiguous():
                 raise ValueError(f"{what} {shown!r} must be contiguous (strides "
-                                 f"{t.stride()})")
+                                 f"{t.stride()}; pass or capture t.contiguous())")
             bound[p.name] = t
         extent = {"b": sizes["batch_size"], "h": sizes["num_qo_heads"],
                   "q_idx": sizes["kv_len"], "kv_idx": sizes["kv_len"]}

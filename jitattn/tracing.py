@@ -47,6 +47,11 @@ class _Tracer:
             raise SpecError(f"captured tensor of dtype {t.dtype} and shape {tuple(t.shape)} "
                             f"cannot be indexed in a variant; expected one of "
                             f"{list(dtypes.FROM_NAME)} with at least one dimension")
+        if not t.is_contiguous():  # (bind() would refuse it at every call)
+            name = self.names.get(id(t))
+            raise SpecError(f"captured tensor{f' {name!r}' if name else ''} of shape "
+                            f"{tuple(t.shape)} has strides {t.stride()}; a variant reads "
+                            f"captured tensors contiguous: capture t.contiguous()")
         p = TensorParam(f"{self.prefix}{len(self.captured)}", tuple(t.shape), t.dtype, t,
                         label=self.names.get(id(t)))
         self.captured.append(p)

@@ -111,3 +111,17 @@ def test_compile_targets_the_visible_gpu_by_default(monkeypatch, capsys, gpu_arc
     assert cli.main(["compile", variant_file, "--head-dim", "64", "--dtype", "f16",
                      "--kind", "decode", "--arch", "sm_89"]) == 0
     assert built[-1] == "sm_89"
+
+
+def test_output_into_a_reader_that_stops_early_is_quiet(tmp_path):
+    """`jitattn cache ls | head -1`: the pipe's reader is gone before the listing is written;
+    the command ends without a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+    env_vars = dict(os.environ, JITATTN_CACHE_DIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "jitattn.cli", "cache", "ls"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env_vars)
+    proc.stdout.close()  # (before the interpreter has started: nothing reads the listing)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "Broken" not in err, err

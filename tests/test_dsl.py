@@ -68,6 +68,16 @@ def test_captured_torch_tensor_becomes_runtime_param():
     assert p.display == "table (score_captured0)"  # the user's name, in messages
 
 
+def test_a_non_contiguous_captured_tensor_is_refused_when_traced():
+    """It used to pass the variant's construction and fail at every call."""
+    column = torch.randn(8, 2)[:, 1]
+    with pytest.raises(SpecError, match=r"captured tensor 'column' of shape \(8,\) has strides "
+                                        r"\(2,\); .* capture t.contiguous\(\)"):
+        trace_score(lambda s, b, h, q, k: s + column[h])
+    (p,) = tracing.params_of(trace_score(lambda s, b, h, q, k: s + column.contiguous()[h]).expr)
+    assert p.captured.is_contiguous()
+
+
 def test_mask_mod_must_return_bool():
     with pytest.raises(SpecError, match="must return a bool"):
         tracing.trace(lambda b, h, q, k: q - k, "mask_mod")

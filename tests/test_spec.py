@@ -96,7 +96,7 @@ def test_alibi_slopes_non_power_of_two():
 
 def test_scalars_float32_cannot_hold_and_empty_tensors_are_rejected():
     """A runtime scalar must be a finite float32 (1e39 or inf became inf in the kernels and the
-    output NaN); numpy numbers are numbers."""
+    output NaN); numpy numbers are numbers, a tensor is not."""
     cap = ja.scalar("cap")
     v = ja.Variant("cap", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
     cpu = torch.device("cpu")
@@ -104,10 +104,15 @@ def test_scalars_float32_cannot_hold_and_empty_tensors_are_rejected():
         with pytest.raises(ValueError, match=r"parameter 'cap' is .*; expected a finite number "
                                              r"that float32 holds"):
             v.bind({"cap": bad}, device=cpu, sizes=SIZES)
-    for good in (3.0e38, np.float32(0.5), np.int64(30), torch.tensor(2.0)):
+    for good in (3.0e38, np.float32(0.5), np.int64(30)):
         assert v.bind({"cap": good}, device=cpu, sizes=SIZES) == {"cap": float(good)}
     with pytest.raises(TypeError, match="parameter 'cap' must be a Python number, got bool"):
         v.bind({"cap": np.bool_(True)}, device=cpu, sizes=SIZES)
+    # a tensor is refused as k_scale is, and as it is under torch.compile (on the GPU, .item()
+    # here was a device sync per call)
+    with pytest.raises(TypeError, match=r"parameter 'cap' must be a Python number, got Tensor "
+                                        r"\(read a tensor once with .item\(\)"):
+        v.bind({"cap": torch.tensor(2.0)}, device=cpu, sizes=SIZES)
     with pytest.raises(SpecError, match=r"soft_cap: cap=inf must be finite and > 0"):
         ja.soft_cap(float("inf"))
     table = ja.tensor("table", ("kv_len",), "float32")
