@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from . import dtypes
-from .emit import emit_cpp
+from .emit import emit_cpp, int_range
 
 
 class SpecError(ValueError):
@@ -237,9 +237,23 @@ def _num_kind(a: Expr, b: Expr) -> str:
 
 
 def _binary(op, a, b) -> Expr:
+    """a op b. Kinds as Python's: / is float, and ** is int only for an int base and a
+    constant int exponent >= 0. Raises SpecError for an int result that can leave int64 over
+    the symbols' ranges (emit.int_range: Python's ints would not overflow, the kernels' would)."""
     a, b = _lift(a), _lift(b)
-    kind = "float" if op in ("/", "**") else _num_kind(a, b)
-    return Expr(op, (a, b), kind)
+    if op == "**":
+        exact = a.kind != "float" and b.op == "const" and b.kind == "int" and b.args[0] >= 0
+        kind = "int" if exact else "float"
+    else:
+        kind = "float" if op == "/" else _num_kind(a, b)
+    e = Expr(op, (a, b), kind)
+    r = int_range(e)
+    if r is not None and not -(2**63) <= r[0] <= r[1] < 2**63:
+        raise SpecError(f"the integer result of '{op}' ranges over [{r[0]}, {r[1]}], beyond int64 "
+                        f"(with q_idx, kv_idx up to 2**30 and b, h up to 2**31): Python's ints "
+                        f"would not overflow, the kernels' would; bound the operands first "
+                        f"(e.g. kv_idx % n, ja.minimum(kv_idx, n))")
+    return e
 
 
 def _compare(op, a, b) -> Expr:

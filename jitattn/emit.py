@@ -1,11 +1,11 @@
 """Traced expressions (dsl.Expr) -> C++ expressions for the generated Variant struct.
 
 Integer arithmetic runs in 32 bits where interval arithmetic proves every intermediate value
-fits (int_range), else in 64 bits: Python's ints never overflow, and neither does the
-generated code. Python's // and % become ja_floordiv / ja_mod (floor
-semantics, 0 on division by zero); parameters are read through a struct ``p`` under prefixed
-names (c_name) so that they never meet generated identifiers; tensor indices are clamped with
-ja_clampi. The helpers live in templates/common/jitattn_math.h.
+fits (int_range), else in 64 bits: Python's ints never overflow, and neither does the generated
+code (dsl refuses an expression whose range can leave int64). Python's // and % become
+ja_floordiv / ja_mod (floor semantics, 0 on division by zero); parameters are read through a
+struct ``p`` under prefixed names (c_name) so that they never meet generated identifiers; tensor
+indices are clamped with ja_clampi. The helpers live in templates/common/jitattn_math.h.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ _NARROW_OPS = {"const", "sym", "index", "neg", "+", "-", "*", "abs", "min", "max
 
 def int_range(e) -> tuple[int, int] | None:
     """(lowest, highest) value of an int expression by interval arithmetic over the symbols'
-    ranges (_SYMBOL_RANGE), int constants and int32 tensor reads; None where not known (other
-    ops, int64 tensors, non-int expressions)."""
+    ranges (_SYMBOL_RANGE), int constants, int32 tensor reads, // and % by constants and **;
+    None where not known (other ops, int64 tensors, non-int expressions)."""
     if getattr(e, "kind", None) != "int":
         return None
     op, a = e.op, e.args
@@ -68,6 +68,20 @@ def int_range(e) -> tuple[int, int] | None:
         if op == "neg":
             return (-r[1], -r[0])
         return (max(r[0], -r[1], 0), max(-r[0], r[1]))
+    if op in ("//", "%") and a[1].op == "const":  # (Python's floor semantics; by 0: 0)
+        c = a[1].args[0]
+        if c == 0:
+            return (0, 0)
+        if op == "%":
+            return (0, c - 1) if c > 0 else (c + 1, 0)
+        r = int_range(a[0])
+        return None if r is None else (min(r[0] // c, r[1] // c), max(r[0] // c, r[1] // c))
+    if op == "**":  # an int base, a constant exponent >= 0 (dsl._binary)
+        r, n = int_range(a[0]), a[1].args[0]
+        if r is None:
+            return None
+        ends = [r[0] ** n, r[1] ** n] + ([0] if r[0] <= 0 <= r[1] else [])
+        return (min(ends), max(ends))
     if op in ("+", "-", "*", "min", "max", "where"):
         x, y = int_range(a[-2]), int_range(a[-1])  # (where: the two values)
         if x is None or y is None:
@@ -300,7 +314,8 @@ def emit_cpp(e, hoisted: dict | None = None) -> str:
     if op == "/":
         return f"((float){x[0]} / (float){x[1]})"
     if op == "**":
-        return f"ja_pow((float){x[0]}, (float){x[1]})"
+        return f"ja_ipow({x[0]}, {x[1]})" if e.kind == "int" \
+            else f"ja_pow((float){x[0]}, (float){x[1]})"
     if op == "//":
         return f"ja_floordiv({x[0]}, {x[1]})" if e.kind == "int" \
             else f"ja_floorf((float){x[0]} / (float){x[1]})"

@@ -46,6 +46,8 @@ def evaluate(e: Expr, env: dict, params: dict):
     if op == "/":
         return T(x[0]).double() / T(x[1]).double()
     if op == "**":
+        if e.kind == "int":  # (exact: an int base, a constant exponent >= 0)
+            return torch.pow(T(x[0]).long(), int(x[1]))
         return torch.pow(T(x[0]).double(), T(x[1]).double())
     if op in ("//", "%"):
         p, q = _promote(e, x)

@@ -170,6 +170,39 @@ def test_int_expressions_are_64_bit_in_cpp_and_torch():
     assert float(evaluate(t.expr, env, {})) == float((100005 * 100009) % 7)
 
 
+def test_int_powers_are_exact_and_int_results_beyond_int64_are_refused():
+    """Python's int ** int (a constant exponent >= 0) is an int: it was float32, so masks on
+    kv_idx ** 2 past 4096 keys came out wrong in the kernels (and differed from the reference).
+    An int result whose range over the symbols leaves int64 is refused where Python's ints
+    would have stayed exact."""
+    torch.manual_seed(3)
+    q = torch.randn(1, 2, 64).half()
+    k, v = torch.randn(6000, 1, 64).half(), torch.randn(6000, 1, 64).half()
+    parity = ja.Variant("pow_parity", mask="none",
+                        mask_mod=lambda b, h, qi, ki: (ki ** 2) % 2 == ki % 2)  # always true
+    assert parity.mask_pred.expr.args[0].args[0].kind == "int"
+    assert "ja_ipow(((long long)kv_idx), (2LL))" in parity.mask_pred.cpp
+    torch.testing.assert_close(ja.attention(q, k, v, parity),
+                               ja.attention(q, k, v, ja.Variant("none", mask="none")),
+                               rtol=0, atol=0)
+    fifth = ja.Variant("pow_fifth", mask="none",
+                       mask_mod=lambda b, h, qi, ki: ((ki % 5000) ** 5 + (qi % 999) ** 3) % 11 < 6)
+    kv = torch.arange(6000)
+    env = dict(b=0, h=0, q_idx=torch.tensor([5999]), kv_idx=kv)
+    want = torch.tensor([((i % 5000) ** 5 + (5999 % 999) ** 3) % 11 < 6 for i in range(6000)])
+    assert torch.equal(evaluate(fifth.mask_pred.expr, env, {}), want)
+    ref = ja.attention(q, k[want], v[want], ja.Variant("none", mask="none"))
+    torch.testing.assert_close(ja.attention(q, k, v, fifth), ref, atol=2e-3, rtol=2e-3)
+    for bad in (lambda b, h, qi, ki: (ki * 1000003**3) % 5 == 0,
+                lambda b, h, qi, ki: ki ** 3 > 5):
+        with pytest.raises(SpecError, match=r"beyond int64 .* bound the operands first"):
+            tracing.trace(bad, "mask_mod")
+    bounded = tracing.trace(lambda b, h, qi, ki: (ki % 1000) ** 3 % 7 < 4, "mask_mod")
+    assert bool(evaluate(bounded.expr, dict(env, kv_idx=torch.tensor([1999])), {})) == \
+        (999 ** 3 % 7 < 4)
+    assert trace_score(lambda s, b, h, qi, ki: s + 2 ** (ki % 4)).expr.args[1].kind == "float"
+
+
 def test_alibi_positions_are_32_bit():
     """ALiBi's kv_idx - q_idx fits in int32 for every position the planners accept: no 64-bit
     subtraction or conversion per score."""

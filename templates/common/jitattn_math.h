@@ -65,6 +65,17 @@ JA_HD ja_int ja_floordiv(ja_int a, ja_int b) {
   return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 JA_HD ja_int ja_mod(ja_int a, ja_int b) { return b == 0 ? 0 : a - ja_floordiv(a, b) * b; }
+// Python's int ** int for an exponent n >= 0, by squaring; a is squared only while bits of n
+// remain, so no intermediate exceeds the result (which the emitter proves fits in int64)
+JA_HD ja_int ja_ipow(ja_int a, ja_int n) {
+  ja_int r = 1;
+  for (;;) {
+    if (n & 1) r *= a;
+    n >>= 1;
+    if (!n) return r;
+    a *= a;
+  }
+}
 // Tensor parameter indices are clamped into [0, size - 1]: a kernel never reads out of bounds.
 JA_HD long long ja_clampi(long long i, int size) { return i < 0 ? 0 : (i >= size ? size - 1 : i); }
 JA_HD float ja_to_float(float x) { return x; }
