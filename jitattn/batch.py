@@ -166,6 +166,10 @@ class BatchPrefill:
     def _plan_batch(self, qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
                     num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale, masks=None,
                     shared=(None, None)) -> Plan:
+        # the last plan is gone first: after a plan() that raises, run() raises too (as the
+        # cascades' and SharedPrefixPrefill's do) rather than run the previous plan's pages
+        # for inputs of the same shape; run() takes the new plan once _run_inputs is set, last
+        self._run_inputs, self._launcher = None, None
         inputs = check_batch(qo, kv_indptr, kv_indices, kv_last_page_len,
                              decode=self._kind == "decode", kv_layout=self.kv_layout,
                              page_size=self.page_size, num_qo_heads=num_qo_heads,
@@ -218,9 +222,7 @@ class BatchPrefill:
             raise ValueError(f"the plan needs {plan.num_partial_rows} partial rows, more than "
                              f"max_partial_rows={cap['max_partial_rows']} given to the "
                              f"constructor (or construct with split_kv=False)")
-        # every check has passed: the workspace now changes, and the last plan is gone (run()
-        # takes the new one once _run_inputs is set, last)
-        self._run_inputs, self._launcher = None, None
+        # every check has passed: the workspace now changes
         # (allocated once, as normal tensors: later plans update them in place in or out of
         # inference mode, where inference tensors refuse in-place updates outside it)
         with torch.inference_mode(False):

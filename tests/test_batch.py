@@ -1,6 +1,8 @@
 """BatchPrefill / BatchDecode on the CPU backend against the reference: NHD and HND, page sizes
 1, 3 and 16, mixed prefill / decode lengths, empty and one-token requests, split-KV merges."""
 
+import functools
+
 import pytest
 import torch
 
@@ -65,23 +67,36 @@ def test_plans_in_and_out_of_inference_mode():
     torch.testing.assert_close(w.run(q, cache), want, rtol=0, atol=0)
 
 
-def test_a_plan_that_raises_keeps_the_last_plan_or_none():
-    """A plan() that fails its checks leaves the previous plan to run(); sm_scale was checked
-    after the new plan's shapes were taken (run() accepted the new q and launched over the
-    old plan: a crash)."""
+def test_a_plan_that_raises_leaves_no_plan():
+    """After a plan() that raises, run() raises instead of running the previous plan: inputs
+    of the previous plan's shapes ran its pages (a serving loop that caught the error got
+    silently stale attention). sm_scale is checked before the new plan's shapes are taken
+    (run() accepted the new q and launched over the old plan: a crash)."""
     i32 = dict(dtype=torch.int32)
     cache = tuple(torch.randn(6, 4, 2, 64).half() for _ in range(2))
-    w = ja.BatchDecode(ja.Variant("c_raise"), page_size=4, device="cpu")
-    w.plan(torch.tensor([0, 2], **i32), torch.tensor([0, 1], **i32), torch.tensor([3], **i32),
-           8, 2, 64)
-    q = torch.randn(1, 8, 64).half()
-    want = w.run(q, cache)
-    with pytest.raises(ValueError, match="sm_scale=-1.0"):
-        w.plan(torch.tensor([0, 2, 4], **i32), torch.tensor([0, 1, 2, 3], **i32),
-               torch.tensor([3, 2], **i32), 8, 2, 64, sm_scale=-1.0)
-    with pytest.raises(ValueError, match=r"q has shape \(2, 8, 64\); the plan expects"):
-        w.run(torch.randn(2, 8, 64).half(), cache)
-    torch.testing.assert_close(w.run(q, cache), want, rtol=0, atol=0)
+    for wrapper in (ja.BatchDecode(ja.Variant("c_raise"), page_size=4, device="cpu"),
+                    ja.BatchPrefill(ja.Variant("c_raise"), page_size=4, device="cpu")):
+        plan = functools.partial(wrapper.plan, torch.tensor([0, 1], **i32)) \
+            if type(wrapper) is ja.BatchPrefill else wrapper.plan
+        plan(torch.tensor([0, 2], **i32), torch.tensor([0, 1], **i32), torch.tensor([3], **i32),
+             8, 2, 64)
+        q = torch.randn(1, 8, 64).half()
+        want = wrapper.run(q, cache)
+        for bad, text in ((dict(sm_scale=-1.0), "sm_scale=-1.0"),
+                          (dict(kv_last_page_len=torch.tensor([5], **i32)),
+                           "kv_last_page_len")):
+            args = dict(kv_indptr=torch.tensor([0, 2], **i32),
+                        kv_indices=torch.tensor([0, 1], **i32),
+                        kv_last_page_len=torch.tensor([3], **i32), num_qo_heads=8,
+                        num_kv_heads=2, head_dim=64) | bad
+            with pytest.raises(ValueError, match=text):
+                plan(**args)
+            with pytest.raises(RuntimeError, match=r"run\(\) called before plan\(\) \(or after "
+                                                   r"a plan\(\) that raised\)"):
+                wrapper.run(q, cache)
+            plan(torch.tensor([0, 2], **i32), torch.tensor([0, 1], **i32),
+                 torch.tensor([3], **i32), 8, 2, 64)
+            torch.testing.assert_close(wrapper.run(q, cache), want, rtol=0, atol=0)
 
 
 def test_one_cache_tensor_and_replanning():
