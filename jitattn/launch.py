@@ -96,10 +96,11 @@ class DevicePlan:
             self.mask_bits, self.token_pos))
 
 
-def output_buffer(name, t, shape, dtype, device, align: int = 16):
+def output_buffer(name, t, shape, dtype, device, align: int = 16, apart_from=None):
     """A new output tensor, or the caller's after checking it fits: the shape, dtype and
     device, contiguous, its start a multiple of ``align`` bytes (out: 16, the kernels store
-    whole 16-byte chunks of a row; lse: 4, stored a float at a time)."""
+    whole 16-byte chunks of a row; lse: 4, stored a float at a time), and no byte shared with
+    ``apart_from`` (lse: the out buffer, which the kernels write at the same time)."""
     if t is None:
         return torch.empty(shape, dtype=dtype, device=device)
     check_output(name, t, shape, dtype, device)
@@ -109,6 +110,11 @@ def output_buffer(name, t, shape, dtype, device, align: int = 16):
         raise ValueError(f"{name} starts at address {t.data_ptr():#x}, not {align}-byte "
                          f"aligned; expected a tensor from torch.empty or a view at a "
                          f"{align}-byte offset")
+    if apart_from is not None and t.data_ptr() < apart_from.data_ptr() + apart_from.nbytes \
+            and apart_from.data_ptr() < t.data_ptr() + t.nbytes:
+        raise ValueError(f"{name} shares memory with out (bytes {t.data_ptr():#x} + "
+                         f"{t.nbytes} and {apart_from.data_ptr():#x} + {apart_from.nbytes}); "
+                         f"expected separate buffers")
     return t
 
 

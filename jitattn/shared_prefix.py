@@ -360,7 +360,8 @@ class SharedPrefixPrefill:
                               t.untyped_storage().data_ptr() for t in (k, v)):
             out = torch.empty_like(given)  # (the strategies read k / v while they write out)
         if lse is not None or return_lse:
-            lse = launch.output_buffer("lse", lse, q.shape[:2], torch.float32, q.device, align=4)
+            lse = launch.output_buffer("lse", lse, q.shape[:2], torch.float32, q.device, align=4,
+                                       apart_from=given)
         shared_state = None  # the cascade's shared level, merged once the unique level ran
         whole = slice(0, total)  # rows or keys of the whole layout: the tensors themselves
         for name, rows, kind, keys in self._steps:

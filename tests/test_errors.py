@@ -167,6 +167,37 @@ def test_lse_needs_only_float_alignment():
     assert torch.equal(out, want_out)
 
 
+def test_lse_sharing_memory_with_out_is_refused():
+    """out and lse in one buffer gave NaN (the kernels write both at once): every run() that
+    takes both refuses them; lse right after out in one buffer is fine."""
+    i32 = dict(dtype=torch.int32)
+    q, k, v = qkv(total_q=12)
+    hkv, d = k.shape[1], q.shape[2]
+    decode = ja.BatchDecode(V, page_size=4, device="cpu")
+    decode.plan(torch.tensor([0, 1, 2], **i32), torch.tensor([0, 1], **i32),
+                torch.tensor([4, 3], **i32), q.shape[1], hkv, d)
+    cache = tuple(torch.randn(2, 4, hkv, d).half() for _ in range(2))
+    shared = ja.SharedPrefixPrefill(V, device="cpu")
+    shared.plan(3, [7, 2], q.shape[1], hkv, d)
+    calls = {"attention": (q, lambda x, o, s: ja.attention(x, k, v, V, out=o, lse=s,
+                                                          return_lse=True)),
+             "BatchDecode.run": (q[:2], lambda x, o, s: decode.run(x, cache, out=o, lse=s,
+                                                                   return_lse=True)),
+             "SharedPrefixPrefill.run": (q, lambda x, o, s: shared.run(x, k, v, out=o, lse=s,
+                                                                      return_lse=True))}
+    for name, (x, call) in calls.items():
+        n = x.numel()
+        buf = torch.empty(n + 2 * x.shape[0] * x.shape[1], dtype=x.dtype)
+        out = buf[:n].view(x.shape)
+        overlapping = buf[n - 16:n - 16 + 2 * x.shape[0] * x.shape[1]].view(torch.float32)
+        with pytest.raises(ValueError, match=r"lse shares memory with out \(bytes 0x"):
+            call(x, out, overlapping.view(x.shape[:2]))
+        after = buf[n:].view(torch.float32).view(x.shape[:2])
+        got = call(x, out, after)
+        assert got[0].data_ptr() == out.data_ptr() and got[1].data_ptr() == after.data_ptr()
+        torch.testing.assert_close(got, call(x, None, None), rtol=0, atol=0, msg=name)
+
+
 def test_a_misspelt_keyword_is_named():
     """A misspelt keyword of the call lands among the variant's parameters: say which."""
     q, k = torch.randn(2, 4, 64).half(), torch.randn(3, 2, 64).half()
