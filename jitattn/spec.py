@@ -42,6 +42,12 @@ REDUCTIONS = ("softmax", "sigmoid")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # (fullmatch: "$" takes a final newline)
 
 
+def _finite_number(x) -> bool:
+    """A finite int or float (numpy's too), not a bool."""
+    return isinstance(x, (int, float, np.integer, np.floating)) and \
+        not isinstance(x, (bool, np.bool_)) and math.isfinite(x)
+
+
 @dataclass(frozen=True)
 class RoPE:
     """Rotary position embedding fused into the Q/K load path (Su et al. 2021, RoFormer).
@@ -62,8 +68,8 @@ class RoPE:
     scaling: tuple | dict | None = None
 
     def __post_init__(self):
-        if not (isinstance(self.theta, (int, float)) and self.theta > 1):
-            raise SpecError(f"RoPE theta={self.theta!r}: expected a number > 1")
+        if not (_finite_number(self.theta) and self.theta > 1):
+            raise SpecError(f"RoPE theta={self.theta!r}: expected a finite number > 1")
         if self.style not in ("neox", "gptj"):
             raise SpecError(f"RoPE style={self.style!r}: expected 'neox' or 'gptj'")
         sc = dict(self.scaling) if self.scaling else None
@@ -78,8 +84,14 @@ class RoPE:
             if missing or extra:
                 raise SpecError(f"RoPE scaling {kind!r}: missing {sorted(missing)}, "
                                 f"unexpected {sorted(extra)}")
-            if any(not isinstance(v, (int, float)) or v <= 0 for v in sc.values()):
-                raise SpecError(f"RoPE scaling {kind!r}: values must be positive numbers: {sc}")
+            if any(not _finite_number(v) or v <= 0 for v in sc.values()):
+                raise SpecError(f"RoPE scaling {kind!r}: values must be finite numbers > 0 "
+                                f"(the generated code's constants): {sc}")
+            if kind == "llama3" and not sc["high_freq_factor"] > sc["low_freq_factor"]:
+                raise SpecError(f"RoPE scaling 'llama3': high_freq_factor="
+                                f"{sc['high_freq_factor']!r} must exceed low_freq_factor="
+                                f"{sc['low_freq_factor']!r} (HF transformers' rule; the "
+                                f"smoothing divides by their difference)")
             sc = tuple(sorted({"type": kind, **{k: float(v) for k, v in sc.items()}}.items()))
         object.__setattr__(self, "scaling", sc)
         object.__setattr__(self, "theta", float(self.theta))

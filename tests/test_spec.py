@@ -51,6 +51,19 @@ def test_rope_validation_and_llama3_frequencies():
         ja.RoPE(style="rotate")
     with pytest.raises(SpecError, match="missing"):
         ja.RoPE(scaling={"type": "llama3", "factor": 8.0})
+    # non-finite values passed the checks and then broke the build (a nan literal) or the
+    # frequencies; llama3's smoothing divides by high_freq_factor - low_freq_factor
+    llama3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    for bad, text in (({"theta": float("inf")}, "theta=inf: expected a finite number > 1"),
+                      ({"theta": True}, "theta=True"),
+                      ({"scaling": {"type": "linear", "factor": float("nan")}}, "finite"),
+                      ({"scaling": {**llama3, "factor": float("inf")}}, "finite"),
+                      ({"scaling": {**llama3, "high_freq_factor": 1.0}},
+                       "high_freq_factor=1.0 must exceed low_freq_factor=1.0")):
+        with pytest.raises(SpecError, match=re.escape(text)):
+            ja.RoPE(**bad)
+    assert ja.RoPE(theta=np.float32(1e4), scaling={**llama3, "factor": np.int64(8)}).theta == 1e4
     plain = ja.RoPE(theta=500000.0).inv_freq(64)
     assert plain[0] == 1.0 and plain.shape == (32,)
     scaled = ja.RoPE(theta=500000.0, scaling={
