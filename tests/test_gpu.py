@@ -59,6 +59,23 @@ def test_custom_variant_with_every_feature_gpu():
         check(variant, params, q, k, v, qo, kv)
 
 
+def test_integer_powers_are_exact_on_the_gpu():
+    """kv_idx ** 2 past 4096 keys (float32 before: the parity mask hid keys) and a fifth power
+    past 2**53 (where float64 rounds too), on the prefill and decode kernels."""
+    torch.manual_seed(4)
+    k, v = (torch.randn(6000, 2, 128, device="cuda").half() for _ in range(2))
+    parity = ja.Variant("pow_parity", mask="none",
+                        mask_mod=lambda b, h, qi, ki: (ki ** 2) % 2 == ki % 2)
+    fifth = ja.Variant("pow_fifth", mask="none",
+                       mask_mod=lambda b, h, qi, ki: ((ki % 5000) ** 5 + (qi % 999) ** 3) % 11 < 6)
+    for rows in (1, 300):
+        q = torch.randn(rows, 8, 128, device="cuda").half()
+        torch.testing.assert_close(ja.attention(q, k, v, parity),
+                                   ja.attention(q, k, v, ja.Variant("none", mask="none")),
+                                   atol=1e-3, rtol=1e-3)
+        check(fifth, {}, q, k, v)
+
+
 def test_long_sequence_and_repeatability():
     variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
     q, k, v, _, _ = make_batch([3000], [4097], 16, 4, 128, torch.float16, "cuda", seed=11)
