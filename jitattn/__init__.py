@@ -8,7 +8,7 @@ Nothing runs at import time.
 
 __version__ = "0.1.0"
 
-from .dsl import SpecError, abs_ as abs, exp, log, maximum, minimum, scalar, sigmoid, tanh, tensor, where  # noqa: E501
+from .dsl import IntOverflowWarning, SpecError, abs_ as abs, exp, log, maximum, minimum, scalar, sigmoid, tanh, tensor, where  # noqa: E501
 from .mods import alibi_slopes, soft_cap
 from .spec import RoPE, Variant
 from .build import CompileError
@@ -21,7 +21,7 @@ from .cascade import CascadeDecode, MultiLevelCascade
 from . import catalog  # the ready-made variants: catalog.builtin()[name].make()
 
 __all__ = [
-    "Variant", "RoPE", "SpecError", "CompileError", "attention", "scalar", "tensor", "where",
+    "Variant", "RoPE", "SpecError", "IntOverflowWarning", "CompileError", "attention", "scalar", "tensor", "where",
     "tanh", "exp", "log", "sigmoid", "minimum", "maximum", "abs", "soft_cap", "alibi_slopes",
     "merge_state", "merge_state_in_place", "merge_states", "BatchPrefill", "BatchDecode",
     "PrefixGroup", "PrefixTrie", "find_shared_prefixes", "multi_item_metadata",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -220,7 +221,8 @@ def _lift(x) -> Expr:
         return Expr("const", (bool(x),), "bool")
     if isinstance(x, (int, np.integer)):
         if not -(2**62) <= int(x) < 2**62:
-            raise SpecError(f"integer constant {x} does not fit in int64")
+            raise SpecError(f"integer constant {x} is out of range: the DSL takes integer "
+                            f"constants of magnitude below 2**62")
         return Expr("const", (int(x),), "int")
     if isinstance(x, (float, np.floating)):
         if math.isnan(x):
@@ -236,10 +238,15 @@ def _num_kind(a: Expr, b: Expr) -> str:
     return "float" if "float" in (a.kind, b.kind) else "int"
 
 
+class IntOverflowWarning(UserWarning):
+    """An integer expression of a variant can leave int64 (it wraps there, in the kernels and
+    the reference alike, where Python's ints would not)."""
+
+
 def _binary(op, a, b) -> Expr:
     """a op b. Kinds as Python's: / is float, and ** is int only for an int base and a
-    constant int exponent >= 0. Raises SpecError for an int result that can leave int64 over
-    the symbols' ranges (emit.int_range: Python's ints would not overflow, the kernels' would)."""
+    constant int exponent >= 0. Warns (IntOverflowWarning) for an int result whose range over
+    the symbols' (emit.int_range) leaves int64."""
     a, b = _lift(a), _lift(b)
     if op == "**":
         exact = a.kind != "float" and b.op == "const" and b.kind == "int" and b.args[0] >= 0
@@ -249,10 +256,13 @@ def _binary(op, a, b) -> Expr:
     e = Expr(op, (a, b), kind)
     r = int_range(e)
     if r is not None and not -(2**63) <= r[0] <= r[1] < 2**63:
-        raise SpecError(f"the integer result of '{op}' ranges over [{r[0]}, {r[1]}], beyond int64 "
-                        f"(with q_idx, kv_idx up to 2**30 and b, h up to 2**31): Python's ints "
-                        f"would not overflow, the kernels' would; bound the operands first "
-                        f"(e.g. kv_idx % n, ja.minimum(kv_idx, n))")
+        shown = "beyond 2**126" if max(-r[0], r[1]) > 2**126 else f"[{r[0]}, {r[1]}]"
+        fix = "; a float exponent (x ** 3.0) computes it in float32" if op == "**" else ""
+        warnings.warn(f"the integer result of '{op}' ranges over {shown} for q_idx, kv_idx up "
+                      f"to 2**30, b and h up to 2**31 and int32 table values: beyond int64, "
+                      f"where it wraps (Python's ints would not); bound the operands (kv_idx "
+                      f"% n, ja.minimum(kv_idx, n)) if such values can occur{fix}",
+                      IntOverflowWarning, stacklevel=3)
     return e
 
 

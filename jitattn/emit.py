@@ -80,6 +80,8 @@ def int_range(e) -> tuple[int, int] | None:
         r, n = int_range(a[0]), a[1].args[0]
         if r is None:
             return None
+        if n > 128 and max(-r[0], r[1]) > 1:  # (beyond int64 either way: no bigint of n bits)
+            return (-(2**127), 2**127)
         ends = [r[0] ** n, r[1] ** n] + ([0] if r[0] <= 0 <= r[1] else [])
         return (min(ends), max(ends))
     if op in ("+", "-", "*", "min", "max", "where"):

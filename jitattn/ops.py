@@ -48,7 +48,7 @@ def _split_params(variant: Variant, params: dict) -> tuple[list, list]:
     tensors, scalars = [], []
     for p in variant.params:
         if p.name not in params:
-            continue  # captured: bound by the op's own variant
+            continue  # captured: the Variant binds it
         x = params[p.name]
         if isinstance(p, ScalarParam):
             if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Real, torch.SymFloat,

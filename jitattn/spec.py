@@ -32,8 +32,7 @@ _CALL_KEYWORDS = ("return_lse", "sm_scale", "out", "lse", "qo_indptr", "kv_indpt
 
 MASKS = ("none", "causal", "custom", "multi_item")
 #: Called with every new Variant, and with a copy or an unpickled one (ops.py gives each the
-#: handle its torch custom op finds it by, so that nothing is registered while torch.compile
-#: traces).
+#: handle by which its torch custom op finds it).
 ON_CREATE: list = []
 #: Attributes the ON_CREATE hooks set on one Variant object: a copy or a pickle leaves them out
 #: (the hooks set its own).

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import jitattn as ja
-from jitattn import dsl, tracing
+from jitattn import dsl, reference, tracing
 from jitattn.evaluate import evaluate
 from jitattn.dsl import SpecError
 
@@ -170,11 +170,12 @@ def test_int_expressions_are_64_bit_in_cpp_and_torch():
     assert float(evaluate(t.expr, env, {})) == float((100005 * 100009) % 7)
 
 
-def test_int_powers_are_exact_and_int_results_beyond_int64_are_refused():
+def test_int_powers_are_exact_and_int_results_beyond_int64_warn_and_wrap():
     """Python's int ** int (a constant exponent >= 0) is an int: it was float32, so masks on
     kv_idx ** 2 past 4096 keys came out wrong in the kernels (and differed from the reference).
-    An int result whose range over the symbols leaves int64 is refused where Python's ints
-    would have stayed exact."""
+    An int result whose range over the symbols leaves int64 warns; it wraps, in the kernels as
+    in the reference (C++'s signed overflow made them differ). INT64_MIN // -1 wraps too (it
+    killed the process with SIGFPE); a huge exponent is no bigint computation (it hung)."""
     torch.manual_seed(3)
     q = torch.randn(1, 2, 64).half()
     k, v = torch.randn(6000, 1, 64).half(), torch.randn(6000, 1, 64).half()
@@ -193,10 +194,21 @@ def test_int_powers_are_exact_and_int_results_beyond_int64_are_refused():
     assert torch.equal(evaluate(fifth.mask_pred.expr, env, {}), want)
     ref = ja.attention(q, k[want], v[want], ja.Variant("none", mask="none"))
     torch.testing.assert_close(ja.attention(q, k, v, fifth), ref, atol=2e-3, rtol=2e-3)
-    for bad in (lambda b, h, qi, ki: (ki * 1000003**3) % 5 == 0,
-                lambda b, h, qi, ki: ki ** 3 > 5):
-        with pytest.raises(SpecError, match=r"beyond int64 .* bound the operands first"):
-            tracing.trace(bad, "mask_mod")
+    for text, wide in ((r"'\*' ranges over \[0, 1073751486705398058212029221\]",
+                        lambda b, h, qi, ki: (ki * 1000003**3) % 5 == 0),
+                       (r"'\*\*' ranges over .*a float exponent \(x \*\* 3.0\)",
+                        lambda b, h, qi, ki: ki ** 3 > 5),
+                       (r"'\*\*' ranges over beyond 2\*\*126",
+                        lambda b, h, qi, ki: (ki % 3) ** 10**11 < 1)):
+        with pytest.warns(dsl.IntOverflowWarning, match=text):
+            tracing.trace(wide, "mask_mod")
+    big = 2**62 - 1
+    with pytest.warns(dsl.IntOverflowWarning):
+        wraps = ja.Variant("wraps", mask="none", score_mod=lambda s, b, h, qi, ki: s + (
+            (ki * 2**40 * 2**40) % 1000 + ((ki - big - big - 2) // (h - 1)) % 7) * 0.01)
+    small = q[:1, :1], k[:9, :1], v[:9, :1]
+    torch.testing.assert_close(ja.attention(*small, wraps).double(),
+                               reference.attention(*small, wraps), atol=2e-3, rtol=2e-3)
     bounded = tracing.trace(lambda b, h, qi, ki: (ki % 1000) ** 3 % 7 < 4, "mask_mod")
     assert bool(evaluate(bounded.expr, dict(env, kv_idx=torch.tensor([1999])), {})) == \
         (999 ** 3 % 7 < 4)
@@ -254,3 +266,15 @@ def test_deep_expressions_are_a_spec_error():
     with pytest.raises(SpecError, match=r"15 operations deep and has 32767 .* "
                                         r"10000 in all"):
         ja.Variant("doubled", score_mod=doubled(14))
+
+
+def test_minimum_and_maximum_carry_nan_as_torch_does():
+    """ja.maximum(log(score), c): a negative score's NaN reaches the row as in torch (and the
+    reference); the kernels' fmaxf had returned c."""
+    torch.manual_seed(2)
+    q = torch.randn(6, 2, 64).half()
+    for fn in (ja.maximum, ja.minimum):
+        v = ja.Variant(f"nan_{fn.__name__}", mask="none",
+                       score_mod=lambda s, b, h, qi, ki, fn=fn: fn(ja.log(s), -5.0))
+        got, want = ja.attention(q, q, q, v), reference.attention(q, q, q, v)
+        assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()

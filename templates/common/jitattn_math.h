@@ -56,11 +56,15 @@ JA_HD ja_int ja_min(ja_int a, ja_int b) { return a < b ? a : b; }
 JA_HD ja_int ja_max(ja_int a, ja_int b) { return a > b ? a : b; }
 JA_HD int ja_min(int a, int b) { return a < b ? a : b; }
 JA_HD int ja_max(int a, int b) { return a > b ? a : b; }
-JA_HD float ja_min(float a, float b) { return fminf(a, b); }
-JA_HD float ja_max(float a, float b) { return fmaxf(a, b); }
-// Python floor division / modulo on ints; division by zero gives 0 instead of a trap.
+// NaN in, NaN out, as torch.minimum / maximum (fminf / fmaxf return the other operand)
+JA_HD float ja_min(float a, float b) { return (a != a || b != b) ? a + b : fminf(a, b); }
+JA_HD float ja_max(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+// Python floor division / modulo on ints; division by zero gives 0 instead of a trap, and
+// INT64_MIN // -1 wraps to INT64_MIN (as torch's int64) instead of trapping (SIGFPE on x86).
+// 64-bit results wrap (the CPU build has -fwrapv; the GPU's integer instructions wrap).
 JA_HD ja_int ja_floordiv(ja_int a, ja_int b) {
   if (b == 0) return 0;
+  if (b == -1) return (ja_int)(0ULL - (unsigned long long)a);
   const ja_int q = a / b;
   return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
