@@ -64,25 +64,41 @@ def _split_params(variant: Variant, params: dict) -> tuple[list, list]:
     return tensors, scalars
 
 
-def _attention_impl(handle, q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
-    variant = _VARIANTS.get(handle)
-    if variant is None:
-        raise RuntimeError(f"jitattn Variant {handle} no longer exists (a compiled graph "
-                           f"outlived the Variant it was traced with)")
+def _traced_with(table: dict, handle: int, key: str, what: str):
+    """The object a graph's handle names, checked against the variant key the graph was traced
+    with: handles count per process, so a graph exported from another process could otherwise
+    run whatever this process numbered alike."""
+    found = table.get(handle)
+    if found is None:
+        raise RuntimeError(f"jitattn {what} {handle} does not exist in this process (a compiled "
+                           f"graph outlived the {what} it was traced with, or an exported graph "
+                           f"is run in another process)")
+    variant = getattr(found, "variant", found)
+    if variant.key != key:
+        raise RuntimeError(f"jitattn {what} {handle} runs variant {variant.key!r} in this "
+                           f"process; the graph was traced with {key!r} (an exported graph run "
+                           f"in another process: build its Variants and wrappers in the same "
+                           f"order first)")
+    return found
+
+
+def _attention_impl(handle, key, q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
+    variant = _traced_with(_VARIANTS, handle, key, "Variant")
     from .api import attention  # (api imports this module)
     kw = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr) if qo_indptr is not None else {}
     return attention(q, k, v, variant, sm_scale=sm_scale, return_lse=True, **kw,
                      **_params_of(variant, tensors, scalars))
 
 
-def _attention_fake(handle, q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
+def _attention_fake(handle, key, q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
     return _fresh_outputs(q)
 
 
 _attention = torch.library.custom_op(
     "jitattn::attention", _attention_impl, mutates_args=(),
-    schema="(int variant, Tensor q, Tensor k, Tensor v, Tensor? qo_indptr, Tensor? kv_indptr, "
-           "float sm_scale, Tensor[] tensors, float[] scalars) -> (Tensor, Tensor)")
+    schema="(int variant, str key, Tensor q, Tensor k, Tensor v, Tensor? qo_indptr, "
+           "Tensor? kv_indptr, float sm_scale, Tensor[] tensors, float[] scalars) -> "
+           "(Tensor, Tensor)")
 _attention.register_fake(_attention_fake)
 
 
@@ -101,8 +117,8 @@ def attention_traced(q, k, v, variant, *, qo_indptr, kv_indptr, sm_scale, return
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     tensors, scalars = _split_params(variant, params)
-    out, lse = _attention(variant._op_handle, q, k, v, qo_indptr, kv_indptr, float(sm_scale),
-                          tensors, scalars)
+    out, lse = _attention(variant._op_handle, variant.key, q, k, v, qo_indptr, kv_indptr,
+                          float(sm_scale), tensors, scalars)
     return (out, lse) if return_lse else out
 
 
@@ -117,24 +133,21 @@ def register_wrapper(wrapper) -> int:
     return handle
 
 
-def _wrapper_run_impl(handle, q, inputs, tensors, scalars, num_outputs):
-    wrapper = _WRAPPERS.get(handle)
-    if wrapper is None:
-        raise RuntimeError(f"jitattn wrapper {handle} no longer exists (a compiled graph "
-                           f"outlived the wrapper it was traced with)")
+def _wrapper_run_impl(handle, key, q, inputs, tensors, scalars, num_outputs):
+    wrapper = _traced_with(_WRAPPERS, handle, key, "wrapper")
     n = sum(isinstance(p, ScalarParam) for p in wrapper.variant.params)
     params = _params_of(wrapper.variant, tensors, scalars[:n])
     # scalars past the variant's: the wrapper's own run() arguments (BatchPrefill: k/v_scale)
     return list(wrapper._run_eager(q, inputs, params, *scalars[n:]))[:num_outputs]
 
 
-def _wrapper_run_fake(handle, q, inputs, tensors, scalars, num_outputs):
+def _wrapper_run_fake(handle, key, q, inputs, tensors, scalars, num_outputs):
     return _fresh_outputs(q)[:num_outputs]
 
 
 _wrapper_run = torch.library.custom_op(
     "jitattn::wrapper_run", _wrapper_run_impl, mutates_args=(),
-    schema="(int handle, Tensor q, Tensor[] inputs, Tensor[] tensors, float[] scalars, "
+    schema="(int handle, str key, Tensor q, Tensor[] inputs, Tensor[] tensors, float[] scalars, "
            "int num_outputs) -> Tensor[]")
 _wrapper_run.register_fake(_wrapper_run_fake)
 
@@ -151,5 +164,5 @@ def wrapper_traced(wrapper, q, inputs, params, *, num_outputs: int, extra_scalar
     extra_scalars: floats passed after the params to the wrapper's _run_eager. Raises as the
     eager run() would when params miss one of the variant's or add another."""
     tensors, scalars = _split_params(wrapper.variant, params)
-    return _wrapper_run(wrapper._handle, q, list(inputs), tensors,
+    return _wrapper_run(wrapper._handle, wrapper.variant.key, q, list(inputs), tensors,
                         list(scalars) + [float(x) for x in extra_scalars], num_outputs)

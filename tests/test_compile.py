@@ -161,7 +161,8 @@ def test_a_variant_and_its_captured_tensors_are_freed_with_the_last_reference():
     """A Variant rebuilt per batch around new captured tensors (document ids, FlexAttention's
     pattern) is freed with them once the caller drops it, after eager and compiled calls (its
     torch custom op used to keep both for the life of the process); a copy has its own handle;
-    a graph whose Variant is gone raises instead of running another."""
+    a graph whose Variant is gone, or whose handle names another variant, raises instead of
+    running it."""
     import copy
     import gc
     import weakref
@@ -186,11 +187,19 @@ def test_a_variant_and_its_captured_tensors_are_freed_with_the_last_reference():
                                        rtol=3e-3)
         twin = copy.copy(variant)
         assert twin._op_handle != variant._op_handle and twin.key == variant.key
-        handle = variant._op_handle
+        handle, key = variant._op_handle, variant.key
         freed.append(weakref.ref(doc_ids))
         del doc_ids, variant, twin, want
-        torch._dynamo.reset()  # (Dynamo's cache holds the traced function's globals)
+        torch._dynamo.reset()  # (each step's graph guards on its Variant's handle)
         gc.collect()
         assert [r() for r in freed] == [None] * len(freed)
-        with pytest.raises(RuntimeError, match=f"jitattn Variant {handle} no longer exists"):
-            torch.ops.jitattn.attention(handle, q, k, k, None, None, 0.125, [], [])
+        with pytest.raises(RuntimeError, match=f"jitattn Variant {handle} does not exist in "
+                                               f"this process"):
+            torch.ops.jitattn.attention(handle, key, q, k, k, None, None, 0.125, [], [])
+    # a graph exported from another process names Variants by that process's handles: one
+    # of another variant here is refused, not run
+    other = ja.Variant("other", mask="none")
+    with pytest.raises(RuntimeError, match=f"jitattn Variant {other._op_handle} runs variant "
+                                           f"'other-none-.*' in this process; the graph was traced "
+                                           f"with 'docs-"):
+        torch.ops.jitattn.attention(other._op_handle, key, q, k, k, None, None, 0.125, [], [])
