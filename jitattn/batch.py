@@ -153,8 +153,10 @@ class BatchPrefill:
             kv_indptr[b] .. kv_indptr[b + 1] - 1; its key positions (causal, RoPE, score_mod's
             kv_idx) count from the prefix's first row. Contiguous runs keep the kernels' bulk
             K/V copies (TMA on sm_90) where one-token pages would gather rows.
-        Returns the Plan (``plan.describe()`` prints it). Raises TypeError / ValueError.
+        Returns the Plan (``plan.describe()`` prints it). Raises TypeError / ValueError, after
+        which run() raises until the next plan() (it would otherwise run the previous plan).
         """
+        self._drop_plan()
         qo = masks_mod.host_int32("qo_indptr", qo_indptr)
         masks = dict(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
                      mask_indptr=mask_indptr, prefix_len=prefix_len,
@@ -166,10 +168,6 @@ class BatchPrefill:
     def _plan_batch(self, qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
                     num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale, masks=None,
                     shared=(None, None)) -> Plan:
-        # the last plan is gone first: after a plan() that raises, run() raises too (as the
-        # cascades' and SharedPrefixPrefill's do) rather than run the previous plan's pages
-        # for inputs of the same shape; run() takes the new plan once _run_inputs is set, last
-        self._run_inputs, self._launcher = None, None
         inputs = check_batch(qo, kv_indptr, kv_indices, kv_last_page_len,
                              decode=self._kind == "decode", kv_layout=self.kv_layout,
                              page_size=self.page_size, num_qo_heads=num_qo_heads,
@@ -222,7 +220,8 @@ class BatchPrefill:
             raise ValueError(f"the plan needs {plan.num_partial_rows} partial rows, more than "
                              f"max_partial_rows={cap['max_partial_rows']} given to the "
                              f"constructor (or construct with split_kv=False)")
-        # every check has passed: the workspace now changes
+        # every check has passed: the workspace now changes (run() takes the new plan once
+        # _run_inputs is set, last)
         # (allocated once, as normal tensors: later plans update them in place in or out of
         # inference mode, where inference tensors refuse in-place updates outside it)
         with torch.inference_mode(False):
@@ -248,8 +247,16 @@ class BatchPrefill:
     @property
     def kernel(self) -> str | None:
         """The kernel the last plan() runs on: "prefill" (128-row query tiles) or "decode"
-        (16-row tiles whose warps split the keys; see query_tile); None before plan()."""
-        return self._planned.get("kind")
+        (16-row tiles whose warps split the keys; see query_tile); None before plan() and after
+        one that raised."""
+        return self._planned.get("kind") if self._run_inputs is not None else None
+
+    def _drop_plan(self) -> None:
+        """The last plan is gone (plan()'s first step): after a plan() that raises, run()
+        raises too, as the cascades' and SharedPrefixPrefill's do, rather than run the
+        previous plan's pages for inputs of its shapes (a CUDA graph captured earlier still
+        replays the device workspace of the last plan that succeeded)."""
+        self._run_inputs, self._launcher = None, None
 
     def _kernel_kind(self, max_qo_len: int, group: int, head_dim: int) -> str:
         """The kernel this plan runs on: BatchDecode's is "decode"; BatchPrefill's follows
@@ -435,6 +442,7 @@ class BatchDecode(BatchPrefill):
              num_kv_heads: int, head_dim: int, *, q_dtype=torch.float16, kv_dtype=None,
              sm_scale: float | None = None) -> Plan:
         """As BatchPrefill.plan without qo_indptr (one query per request)."""
+        self._drop_plan()
         kv = masks_mod.host_int32("kv_indptr", kv_indptr)
         qo = np.arange(len(kv), dtype=np.int32)
         return self._plan_batch(qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,

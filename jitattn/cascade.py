@@ -74,6 +74,7 @@ class MultiLevelCascade:
         tensor per level, as for BatchPrefill.plan. q_rows: per level, the rows of q its
         queries are (int tensor, length qo_indptr[-1]); default: rows 0 .. qo_indptr[-1] - 1.
         """
+        self._rows = None  # (a plan() that raises leaves none: run() raises until the next)
         n = len(self.levels)
         for name, arg in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
                           ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
@@ -85,7 +86,6 @@ class MultiLevelCascade:
             raise ValueError(f"q_rows must be a list of {n} entries (one per level: int rows of "
                              f"q, or None) or a [{n}, rows] tensor, got {type(q_rows).__name__}"
                              + (f" of {len(q_rows)}" if sized else ""))
-        self._rows = None
         rows = []
         for i, level in enumerate(self.levels):
             try:

@@ -84,13 +84,15 @@ def test_a_plan_that_raises_leaves_no_plan():
         want = wrapper.run(q, cache)
         for bad, text in ((dict(sm_scale=-1.0), "sm_scale=-1.0"),
                           (dict(kv_last_page_len=torch.tensor([5], **i32)),
-                           "kv_last_page_len")):
+                           "kv_last_page_len"),
+                          (dict(kv_indptr=torch.tensor([0, 2])), "kv_indptr")):  # int64
             args = dict(kv_indptr=torch.tensor([0, 2], **i32),
                         kv_indices=torch.tensor([0, 1], **i32),
                         kv_last_page_len=torch.tensor([3], **i32), num_qo_heads=8,
                         num_kv_heads=2, head_dim=64) | bad
-            with pytest.raises(ValueError, match=text):
+            with pytest.raises((TypeError, ValueError), match=text):
                 plan(**args)
+            assert wrapper.kernel is None
             with pytest.raises(RuntimeError, match=r"run\(\) called before plan\(\) \(or after "
                                                    r"a plan\(\) that raised\)"):
                 wrapper.run(q, cache)

@@ -121,8 +121,12 @@ def test_level_rows_are_checked():
                                 ([None], ValueError, "q_rows must be a list of 2 entries .* "
                                                      "got list of 1"),
                                 (torch.tensor([0, 1]), ValueError, "got Tensor")):
+        levels.plan(*args)
         with pytest.raises(error, match=text):
             levels.plan(*args, q_rows=q_rows)
+        # the failed plan leaves none: run() raised nothing and ran the previous plan
+        with pytest.raises(RuntimeError, match="before plan"):
+            levels.run(torch.randn(4, 4, 64).half(), cache)
     bad = (args[0], args[1], args[2], [torch.tensor([4], **i32), torch.tensor([9], **i32)]) + \
         args[4:]
     with pytest.raises(ValueError, match=r"level 1: kv_last_page_len\[0\] is 9"):
