@@ -86,11 +86,6 @@ class RoPE:
             if any(not _finite_number(v) or v <= 0 for v in sc.values()):
                 raise SpecError(f"RoPE scaling {kind!r}: values must be finite numbers > 0 "
                                 f"(the generated code's constants): {sc}")
-            if kind == "llama3" and not sc["high_freq_factor"] > sc["low_freq_factor"]:
-                raise SpecError(f"RoPE scaling 'llama3': high_freq_factor="
-                                f"{sc['high_freq_factor']!r} must exceed low_freq_factor="
-                                f"{sc['low_freq_factor']!r} (HF transformers' rule; the "
-                                f"smoothing divides by their difference)")
             sc = tuple(sorted({"type": kind, **{k: float(v) for k, v in sc.items()}}.items()))
         object.__setattr__(self, "scaling", sc)
         object.__setattr__(self, "theta", float(self.theta))
@@ -106,8 +101,9 @@ class RoPE:
             old = sc["original_max_position_embeddings"]
             wavelen = 2 * math.pi / inv
             scaled = np.where(wavelen > old / lo, inv / factor, inv)
-            smooth = (old / wavelen - lo) / (hi - lo)
-            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            with np.errstate(divide="ignore", invalid="ignore"):  # (hi <= lo, which HF allows:
+                smooth = (old / wavelen - lo) / (hi - lo)  # then no entry is medium)
+                smoothed = (1 - smooth) * scaled / factor + smooth * scaled
             medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
             return np.where(medium, smoothed, scaled)
         return inv
