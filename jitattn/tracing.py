@@ -203,4 +203,9 @@ def params_of(*exprs: Expr) -> list:
                 walk(a)
     for e in exprs:
         walk(e)
+    for p in found.values():  # (the generated struct holds a tensor's sizes as <name>_d<i>)
+        for i in range(len(p.shape) if isinstance(p, TensorParam) else 0):
+            if f"{p.name}_d{i}" in found:
+                raise SpecError(f"parameter name '{p.name}_d{i}' is taken by the size of "
+                                f"dimension {i} of tensor {p.name!r}; rename one of them")
     return list(found.values())

@@ -138,6 +138,15 @@ def test_same_name_for_two_params_is_rejected():
         ja.Variant("clash", score_mod=lambda s, b, h, q, k: s + a[h] + b2[h])
 
 
+def test_a_name_taken_by_a_tensor_size_is_rejected():
+    """The generated struct holds tensor x's sizes as x_d0, x_d1...: a scalar x_d0 failed to
+    compile (a redeclaration) instead of being named."""
+    x, x_d0 = ja.tensor("x", ("num_qo_heads",)), ja.scalar("x_d0")
+    with pytest.raises(SpecError, match="parameter name 'x_d0' is taken by the size of "
+                                        "dimension 0 of tensor 'x'"):
+        ja.Variant("taken", score_mod=lambda s, b, h, q, k: s + x[h] + x_d0)
+
+
 def test_errors_name_the_function_and_its_arguments():
     def my_mod(score, b, h):
         return score
