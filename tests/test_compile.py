@@ -165,6 +165,7 @@ def test_a_variant_and_its_captured_tensors_are_freed_with_the_last_reference():
     running it."""
     import copy
     import gc
+    import pickle
     import weakref
     gen = torch.Generator().manual_seed(5)
     q, k = torch.randn(9, 4, 64, generator=gen).half(), torch.randn(9, 2, 64, generator=gen).half()
@@ -203,3 +204,11 @@ def test_a_variant_and_its_captured_tensors_are_freed_with_the_last_reference():
                                            f"'other-none-.*' in this process; the graph was traced "
                                            f"with 'docs-"):
         torch.ops.jitattn.attention(other._op_handle, key, q, k, k, None, None, 0.125, [], [])
+    # an unpickled Variant (one without closures) is its own: a handle of its own, found by it
+    plain = ja.Variant("pickled", mask="causal", window_left=5)
+    again = pickle.loads(pickle.dumps(plain))
+    assert again.key == plain.key and again._op_handle != plain._op_handle
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            torch.compile(lambda x: ja.attention(x, k, k, again), fullgraph=True,
+                          backend="aot_eager")(q), ja.attention(q, k, k, plain), rtol=0, atol=0)

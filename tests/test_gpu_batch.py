@@ -286,6 +286,40 @@ def test_batch_decode_under_inductor_fullgraph():
             torch.testing.assert_close(compiled(q), d.run(q, cache) * 1.5)
 
 
+def test_reduce_overhead_compile_replays_cuda_graphs_across_plans():
+    """torch.compile(mode="reduce-overhead") (CUDA graph trees) around BatchDecode.run and
+    ja.attention: graphs are recorded (no cudagraph skip) and replays equal eager, across
+    plans of other lengths (the op reads the wrapper's current plan on the device)."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+    variant = ja.Variant("ro_decode", score_mod=ja.soft_cap(20.0))
+    d = ja.BatchDecode(variant, page_size=16)
+    gen = torch.Generator().manual_seed(4)
+    cache = tuple(torch.randn(64, 16, 8, 128, generator=gen).half().cuda() for _ in range(2))
+    compiled = torch.compile(lambda x: d.run(x, cache) * 1.5, mode="reduce-overhead",
+                             fullgraph=True)
+    for lens in ([100, 7, 300, 16], [1, 500, 33, 60], [9, 9, 9, 700], [100, 7, 300, 16]):
+        pages = [-(-n // 16) for n in lens]
+        d.plan(_cumsum(pages), torch.randperm(64, generator=gen)[:sum(pages)].to(torch.int32),
+               torch.tensor([n - (p - 1) * 16 for n, p in zip(lens, pages)], dtype=torch.int32),
+               32, 8, 128)
+        for _ in range(3):
+            q = torch.randn(4, 32, 128, generator=gen).half().cuda()
+            with torch.inference_mode():
+                torch.testing.assert_close(compiled(q).clone(), d.run(q, cache) * 1.5,
+                                           rtol=0, atol=0)
+    causal = ja.Variant("ro_causal", mask="causal")
+    f = torch.compile(lambda q, k, v: ja.attention(q, k, v, causal) + 1, mode="reduce-overhead",
+                      fullgraph=True)
+    for _ in range(4):
+        q, k, v = (torch.randn(300, h, 128, device="cuda").half() for h in (8, 2, 2))
+        with torch.inference_mode():
+            torch.testing.assert_close(f(q, k, v).clone(), ja.attention(q, k, v, causal) + 1,
+                                       rtol=0, atol=0)
+    assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] > 0
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("layout, page_size", [("NHD", 16), ("HND", 1), ("NHD", 3)])
 def test_fp8_kv_cache_matches_reference(dtype, layout, page_size):
