@@ -247,8 +247,8 @@ class BatchPrefill:
     @property
     def kernel(self) -> str | None:
         """The kernel the last plan() runs on: "prefill" (128-row query tiles) or "decode"
-        (16-row tiles whose warps split the keys; see query_tile); None before plan() and after
-        one that raised."""
+        (16-row tiles whose warps split the keys; see query_tile); None before plan(), after
+        one that raised and after unplan()."""
         return self._planned.get("kind") if self._run_inputs is not None else None
 
     def _drop_plan(self) -> None:

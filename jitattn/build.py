@@ -16,9 +16,7 @@ from . import env
 from .render import RenderedSource
 
 NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "-Xcudafe", "--diag_suppress=177")
-# -fwrapv: the DSL's 64-bit integers wrap on overflow, as torch's int64 in the reference do
-CXX_FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-Wno-unused-parameter",
-             "-fwrapv")
+CXX_FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-Wno-unused-parameter")
 SOURCE_NAME = {"cuda": "kernel.cu", "cpp": "kernel.cpp"}
 BINARY_NAME = {"cuda": "kernel.cubin", "cpp": "kernel.so"}
 

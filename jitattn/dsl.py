@@ -157,7 +157,8 @@ class Expr:
     def __rmod__(self, o): return _binary("%", o, self)
     def __pow__(self, o): return _binary("**", self, o)
     def __rpow__(self, o): return _binary("**", o, self)
-    def __neg__(self): return Expr("neg", (self,), "int" if self.kind == "bool" else self.kind)
+    def __neg__(self): return _checked(Expr("neg", (self,), "int" if self.kind == "bool" else
+                                            self.kind))
     def __pos__(self): return self
     def __abs__(self): return abs_(self)
     # -- comparisons and logic ----------------------------------------------------------------
@@ -243,6 +244,27 @@ class IntOverflowWarning(UserWarning):
     the reference alike, where Python's ints would not)."""
 
 
+def _outside_int64(e) -> bool:
+    r = int_range(e)
+    return r is not None and not -(2**63) <= r[0] <= r[1] < 2**63
+
+
+def _checked(e: Expr) -> Expr:
+    """``e``, after a warning (IntOverflowWarning) if its int range over the symbols'
+    (emit.int_range) leaves int64 while its operands' stay inside (one warning per overflow,
+    not one per enclosing operation)."""
+    if _outside_int64(e) and not any(_outside_int64(y) for y in e.args if isinstance(y, Expr)):
+        r = int_range(e)
+        shown = "beyond 2**126" if max(-r[0], r[1]) > 2**126 else f"[{r[0]}, {r[1]}]"
+        fix = "; a float exponent (x ** 3.0) computes it in float32" if e.op == "**" else ""
+        warnings.warn(f"the integer result of '{e.op}' ranges over {shown} for q_idx, kv_idx up "
+                      f"to 2**30, b and h up to 2**31 and int32 table values: beyond int64, "
+                      f"where it wraps (Python's ints would not); bound the operands (kv_idx "
+                      f"% n, ja.minimum(kv_idx, n)) if such values can occur{fix}",
+                      IntOverflowWarning, stacklevel=4)
+    return e
+
+
 def _binary(op, a, b) -> Expr:
     """a op b. Kinds as Python's: / is float, and ** is int only for an int base and a
     constant int exponent >= 0. Warns (IntOverflowWarning) for an int result whose range over
@@ -253,17 +275,7 @@ def _binary(op, a, b) -> Expr:
         kind = "int" if exact else "float"
     else:
         kind = "float" if op == "/" else _num_kind(a, b)
-    e = Expr(op, (a, b), kind)
-    r = int_range(e)
-    if r is not None and not -(2**63) <= r[0] <= r[1] < 2**63:
-        shown = "beyond 2**126" if max(-r[0], r[1]) > 2**126 else f"[{r[0]}, {r[1]}]"
-        fix = "; a float exponent (x ** 3.0) computes it in float32" if op == "**" else ""
-        warnings.warn(f"the integer result of '{op}' ranges over {shown} for q_idx, kv_idx up "
-                      f"to 2**30, b and h up to 2**31 and int32 table values: beyond int64, "
-                      f"where it wraps (Python's ints would not); bound the operands (kv_idx "
-                      f"% n, ja.minimum(kv_idx, n)) if such values can occur{fix}",
-                      IntOverflowWarning, stacklevel=3)
-    return e
+    return _checked(Expr(op, (a, b), kind))
 
 
 def _compare(op, a, b) -> Expr:
@@ -300,7 +312,7 @@ def tanh(x, approx: bool = False) -> Expr:
 def abs_(x) -> Expr:
     """Traced absolute value; keeps int or float kind."""
     x = _lift(x)
-    return Expr("abs", (x,), "int" if x.kind == "bool" else x.kind)
+    return _checked(Expr("abs", (x,), "int" if x.kind == "bool" else x.kind))
 
 
 def minimum(a, b) -> Expr:

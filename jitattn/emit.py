@@ -1,11 +1,12 @@
 """Traced expressions (dsl.Expr) -> C++ expressions for the generated Variant struct.
 
 Integer arithmetic runs in 32 bits where interval arithmetic proves every intermediate value
-fits (int_range), else in 64 bits: Python's ints never overflow, and neither does the generated
-code (dsl refuses an expression whose range can leave int64). Python's // and % become
-ja_floordiv / ja_mod (floor semantics, 0 on division by zero); parameters are read through a
-struct ``p`` under prefixed names (c_name) so that they never meet generated identifiers; tensor
-indices are clamped with ja_clampi. The helpers live in templates/common/jitattn_math.h.
+fits (int_range), else in 64 bits through wrapping helpers (ja_add, ja_mul...: the value beyond
+int64 wraps, as torch's int64 in the reference; dsl warns where a range can leave int64, and
+Python's ints would not wrap). Python's // and % become ja_floordiv / ja_mod (floor semantics, 0
+on division by zero); parameters are read through a struct ``p`` under prefixed names (c_name)
+so that they never meet generated identifiers; tensor indices are clamped with ja_clampi. The
+helpers live in templates/common/jitattn_math.h.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _CPP_FN = {"tanh": "ja_tanh", "tanh_approx": "ja_tanh_approx", "exp": "ja_exp", 
 
 ROW_SYMBOLS = frozenset({"b", "h", "q_idx"})
 _CTYPE = {"float": "float", "int": "long long", "bool": "bool"}
+_WRAPPING = {"+": "ja_add", "-": "ja_sub", "*": "ja_mul"}  # 64-bit ops that wrap (math.h)
 
 # The generated code's contract with the planners, which reject longer requests: q_len and
 # kv_len below MAX_SEQ_LEN. The CUDA kernels also evaluate the mods on a tile's lanes past the
@@ -299,8 +301,9 @@ def emit_cpp(e, hoisted: dict | None = None) -> str:
         x = [(f"({y.args[0]}LL)" if y.op == "const" and y.kind == "int" else f"((long long){c})")
              if (narrow(y) or y.kind == "bool") and (i > 0 or op != "where") else c
              for i, (c, y) in enumerate(zip(x, a))]
+    wide = e.kind == "int" and not narrow(e)  # (64-bit: wrapping helpers, see jitattn_math.h)
     if op == "neg":
-        return f"(-{x[0]})"
+        return f"ja_neg({x[0]})" if wide else f"(-{x[0]})"
     if op == "~":
         return f"(!{x[0]})" if e.kind == "bool" else f"(~{x[0]})"
     if op in _CPP_FN:
@@ -327,6 +330,8 @@ def emit_cpp(e, hoisted: dict | None = None) -> str:
     if op in ("&", "|", "^"):
         cpp = {"&": "&&", "|": "||", "^": "!="}[op] if e.kind == "bool" else op
         return f"({x[0]} {cpp} {x[1]})"
+    if op in ("+", "-", "*") and wide:
+        return f"{_WRAPPING[op]}({x[0]}, {x[1]})"
     if op in ("+", "-", "*", "<", "<=", ">", ">=", "==", "!="):
         return f"({x[0]} {op} {x[1]})"
     raise AssertionError(f"unknown op {op}")

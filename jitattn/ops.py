@@ -64,20 +64,25 @@ def _split_params(variant: Variant, params: dict) -> tuple[list, list]:
     return tensors, scalars
 
 
+def _traced_key(obj) -> str:
+    """What a graph records of the object it names by handle: a Variant's key; a wrapper's
+    class and its variant's key."""
+    return obj.key if isinstance(obj, Variant) else f"{type(obj).__name__} {obj.variant.key}"
+
+
 def _traced_with(table: dict, handle: int, key: str, what: str):
-    """The object a graph's handle names, checked against the variant key the graph was traced
-    with: handles count per process, so a graph exported from another process could otherwise
-    run whatever this process numbered alike."""
+    """The object a graph's handle names, checked against what the graph recorded of it
+    (_traced_key): handles count per process, so a graph exported from another process could
+    otherwise run whatever this process numbered alike."""
     found = table.get(handle)
     if found is None:
         raise RuntimeError(f"jitattn {what} {handle} does not exist in this process (a compiled "
                            f"graph outlived the {what} it was traced with, or an exported graph "
                            f"is run in another process)")
-    variant = getattr(found, "variant", found)
-    if variant.key != key:
-        raise RuntimeError(f"jitattn {what} {handle} runs variant {variant.key!r} in this "
-                           f"process; the graph was traced with {key!r} (an exported graph run "
-                           f"in another process: build its Variants and wrappers in the same "
+    if _traced_key(found) != key:
+        raise RuntimeError(f"jitattn {what} {handle} is {_traced_key(found)!r} in this process; "
+                           f"the graph was traced with {key!r} (an exported graph run in "
+                           f"another process: build its Variants and wrappers in the same "
                            f"order first)")
     return found
 
@@ -117,7 +122,7 @@ def attention_traced(q, k, v, variant, *, qo_indptr, kv_indptr, sm_scale, return
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     tensors, scalars = _split_params(variant, params)
-    out, lse = _attention(variant._op_handle, variant.key, q, k, v, qo_indptr, kv_indptr,
+    out, lse = _attention(variant._op_handle, _traced_key(variant), q, k, v, qo_indptr, kv_indptr,
                           float(sm_scale), tensors, scalars)
     return (out, lse) if return_lse else out
 
@@ -164,5 +169,5 @@ def wrapper_traced(wrapper, q, inputs, params, *, num_outputs: int, extra_scalar
     extra_scalars: floats passed after the params to the wrapper's _run_eager. Raises as the
     eager run() would when params miss one of the variant's or add another."""
     tensors, scalars = _split_params(wrapper.variant, params)
-    return _wrapper_run(wrapper._handle, wrapper.variant.key, q, list(inputs), tensors,
+    return _wrapper_run(wrapper._handle, _traced_key(wrapper), q, list(inputs), tensors,
                         list(scalars) + [float(x) for x in extra_scalars], num_outputs)

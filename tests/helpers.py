@@ -188,3 +188,17 @@ def check_shared_prefix_batch(variant, params, device, dtype, hq, hkv, head_dim,
                                            qo_indptr=qo_indptr, kv_indptr=ref_kv_indptr,
                                            return_lse=True, **params)
     return compare(variant, out, lse, ref_out, ref_lse)
+
+
+def wrapping_mask_case(device):
+    """A mask whose 64-bit products wrap for some keys (k * (2**62 - 1) >= 0 is False for k in
+    {3, 4}, True for 5 and 6), a negation and a power that wrap too; q, k, v and the keys that
+    torch's int64 arithmetic keeps."""
+    c = 2**62 - 1
+    variant = ja.Variant("wrapping", mask="none", mask_mod=lambda b, h, qi, ki: (
+        (ki * c >= 0) & (-(ki * c) <= 0) | ((ki + 2) ** 63 == 0)))
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(n, 1, 64, generator=gen).half().to(device) for n in (3, 40, 40))
+    keys = torch.arange(40)
+    kept = ((keys * c >= 0) & (-(keys * c) <= 0)) | ((keys + 2) ** 63 == 0)
+    return variant, q, k, v, kept.to(device)

@@ -200,7 +200,7 @@ def test_a_variant_and_its_captured_tensors_are_freed_with_the_last_reference():
     # a graph exported from another process names Variants by that process's handles: one
     # of another variant here is refused, not run
     other = ja.Variant("other", mask="none")
-    with pytest.raises(RuntimeError, match=f"jitattn Variant {other._op_handle} runs variant "
+    with pytest.raises(RuntimeError, match=f"jitattn Variant {other._op_handle} is "
                                            f"'other-none-.*' in this process; the graph was traced "
                                            f"with 'docs-"):
         torch.ops.jitattn.attention(other._op_handle, key, q, k, k, None, None, 0.125, [], [])
@@ -212,3 +212,15 @@ def test_a_variant_and_its_captured_tensors_are_freed_with_the_last_reference():
         torch.testing.assert_close(
             torch.compile(lambda x: ja.attention(x, k, k, again), fullgraph=True,
                           backend="aot_eager")(q), ja.attention(q, k, k, plain), rtol=0, atol=0)
+
+
+def test_a_wrapper_handle_is_checked_against_the_traced_class_and_variant():
+    """wrapper_run names its wrapper by a handle counted per process: a graph exported from
+    another process whose handle lands on a wrapper of another class or variant raises."""
+    decode = ja.BatchDecode(ja.Variant("handle_decode"), page_size=4, device="cpu")
+    q = torch.randn(1, 4, 64).half()
+    for wrong in (f"MultiLevelCascade {decode.variant.key}", "BatchDecode other-none-0"):
+        with pytest.raises(RuntimeError, match=f"jitattn wrapper {decode._handle} is "
+                                               f"'BatchDecode handle_decode-.*' in this process; "
+                                               f"the graph was traced with '{wrong}'"):
+            torch.ops.jitattn.wrapper_run(decode._handle, wrong, q, [q], [], [], 1)

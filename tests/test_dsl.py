@@ -10,6 +10,8 @@ from jitattn import dsl, reference, tracing
 from jitattn.evaluate import evaluate
 from jitattn.dsl import SpecError
 
+from helpers import wrapping_mask_case
+
 
 def trace_score(fn):
     return tracing.trace(fn, "score_mod")
@@ -173,7 +175,7 @@ def test_int_expressions_are_64_bit_in_cpp_and_torch():
         return score + ((q_idx + 100000) * (kv_idx + 100000)) % 7
     t = trace_score(mod)
     # the sums fit in 32 bits, their product does not: widened before the multiply
-    assert "(((long long)(q_idx + (100000))) * ((long long)(kv_idx + (100000))))" in t.cpp
+    assert "ja_mul(((long long)(q_idx + (100000))), ((long long)(kv_idx + (100000))))" in t.cpp
     env = dict(score=torch.zeros(1, dtype=torch.float64), b=0, h=0, q_idx=torch.tensor([5]),
                kv_idx=torch.tensor([9]))
     assert float(evaluate(t.expr, env, {})) == float((100005 * 100009) % 7)
@@ -222,6 +224,18 @@ def test_int_powers_are_exact_and_int_results_beyond_int64_warn_and_wrap():
     assert bool(evaluate(bounded.expr, dict(env, kv_idx=torch.tensor([1999])), {})) == \
         (999 ** 3 % 7 < 4)
     assert trace_score(lambda s, b, h, qi, ki: s + 2 ** (ki % 4)).expr.args[1].kind == "float"
+
+
+def test_int64_arithmetic_wraps_as_torch_does():
+    """Beyond int64 the kernels wrap as torch's int64 in the reference: C++'s signed overflow
+    was undefined (nvcc folded k * C >= 0 to true, g++ could differ from both)."""
+    with pytest.warns(dsl.IntOverflowWarning):
+        variant, q, k, v, kept = wrapping_mask_case("cpu")
+    assert not kept.all() and kept.any()
+    want = ja.attention(q, k[kept], v[kept], ja.Variant("none", mask="none"))
+    torch.testing.assert_close(ja.attention(q, k, v, variant), want, rtol=0, atol=2e-3)
+    torch.testing.assert_close(reference.attention(q, k, v, variant).half(), want, rtol=0,
+                               atol=2e-3)
 
 
 def test_alibi_positions_are_32_bit():

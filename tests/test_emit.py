@@ -140,7 +140,7 @@ def test_int_range_of_alibi_and_of_a_square():
     assert emit.int_range(diff) == (-R["q_idx"][1], R["kv_idx"][1] - R["q_idx"][0])
     assert emit.narrow(diff) and all(emit.narrow(_fixed(mod)) for mod in FIXED)
     square = tracing.trace(lambda s, b, h, q, k: s + k * k, "score_mod").expr.args[1]
-    assert not emit.narrow(square) and "((long long)kv_idx) * ((long long)kv_idx)" in \
+    assert not emit.narrow(square) and "ja_mul(((long long)kv_idx), ((long long)kv_idx))" in \
         emit.emit_cpp(square)
 
 

@@ -13,7 +13,7 @@ import torch
 import jitattn as ja
 from jitattn import catalog, env, reference
 
-from helpers import check, every_feature_variant, make_batch
+from helpers import check, every_feature_variant, make_batch, wrapping_mask_case
 
 pytestmark = pytest.mark.gpu
 
@@ -74,6 +74,16 @@ def test_integer_powers_are_exact_on_the_gpu():
                                    ja.attention(q, k, v, ja.Variant("none", mask="none")),
                                    atol=1e-3, rtol=1e-3)
         check(fifth, {}, q, k, v)
+
+
+def test_int64_arithmetic_wraps_on_the_gpu():
+    """nvcc folded the signed overflow of k * C >= 0 to true for every key: the kernels now
+    wrap through unsigned helpers, as the reference's torch int64 does."""
+    variant, q, k, v, kept = wrapping_mask_case("cuda")
+    none = ja.Variant("none", mask="none")
+    for x in (q, torch.randn(300, 4, 64, device="cuda").half()):  # decode, prefill kernels
+        torch.testing.assert_close(ja.attention(x, k, v, variant),
+                                   ja.attention(x, k[kept], v[kept], none), rtol=0, atol=2e-3)
 
 
 def test_long_sequence_and_repeatability():

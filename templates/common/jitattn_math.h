@@ -49,7 +49,15 @@ JA_HD float ja_fmod(float a, float b) { return a - b * floorf(a / b); }  // Pyth
 // Integer expressions of the DSL are 64-bit, or 32-bit where the emitter proves their values
 // fit (emit.narrow); both kinds of operands never meet in one call.
 typedef long long ja_int;
-JA_HD ja_int ja_abs(ja_int x) { return x < 0 ? -x : x; }
+// 64-bit + - * and negation wrap, as torch's int64 (the reference) does: computed unsigned,
+// where C++ (g++ and nvcc alike) defines the wrap; signed overflow would be undefined, and nvcc
+// folds it away (k * C >= 0 became true for every k)
+typedef unsigned long long ja_uint;
+JA_HD ja_int ja_add(ja_int a, ja_int b) { return (ja_int)((ja_uint)a + (ja_uint)b); }
+JA_HD ja_int ja_sub(ja_int a, ja_int b) { return (ja_int)((ja_uint)a - (ja_uint)b); }
+JA_HD ja_int ja_mul(ja_int a, ja_int b) { return (ja_int)((ja_uint)a * (ja_uint)b); }
+JA_HD ja_int ja_neg(ja_int a) { return (ja_int)(0ULL - (ja_uint)a); }
+JA_HD ja_int ja_abs(ja_int x) { return x < 0 ? ja_neg(x) : x; }
 JA_HD int ja_abs(int x) { return x < 0 ? -x : x; }
 JA_HD float ja_abs(float x) { return fabsf(x); }
 JA_HD ja_int ja_min(ja_int a, ja_int b) { return a < b ? a : b; }
@@ -61,23 +69,24 @@ JA_HD float ja_min(float a, float b) { return (a != a || b != b) ? a + b : fminf
 JA_HD float ja_max(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
 // Python floor division / modulo on ints; division by zero gives 0 instead of a trap, and
 // INT64_MIN // -1 wraps to INT64_MIN (as torch's int64) instead of trapping (SIGFPE on x86).
-// 64-bit results wrap (the CPU build has -fwrapv; the GPU's integer instructions wrap).
 JA_HD ja_int ja_floordiv(ja_int a, ja_int b) {
   if (b == 0) return 0;
-  if (b == -1) return (ja_int)(0ULL - (unsigned long long)a);
+  if (b == -1) return ja_neg(a);
   const ja_int q = a / b;
   return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
-JA_HD ja_int ja_mod(ja_int a, ja_int b) { return b == 0 ? 0 : a - ja_floordiv(a, b) * b; }
-// Python's int ** int for an exponent n >= 0, by squaring; a is squared only while bits of n
-// remain, so no intermediate exceeds the result (which the emitter proves fits in int64)
+JA_HD ja_int ja_mod(ja_int a, ja_int b) {
+  return b == 0 ? 0 : ja_sub(a, ja_mul(ja_floordiv(a, b), b));
+}
+// Python's int ** int for an exponent n >= 0, by squaring; wraps as ja_mul (a is squared only
+// while bits of n remain, so within int64 no intermediate exceeds the result)
 JA_HD ja_int ja_ipow(ja_int a, ja_int n) {
   ja_int r = 1;
   for (;;) {
-    if (n & 1) r *= a;
+    if (n & 1) r = ja_mul(r, a);
     n >>= 1;
     if (!n) return r;
-    a *= a;
+    a = ja_mul(a, a);
   }
 }
 // Tensor parameter indices are clamped into [0, size - 1]: a kernel never reads out of bounds.
