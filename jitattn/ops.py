@@ -2,8 +2,9 @@
 traces a model that calls jitattn without graph breaks.
 
 ``jitattn.attention``: one op, ``jitattn::attention``, that runs the Variant named by an
-integer handle (its runtime parameters are op arguments; the handles map to Variants weakly,
-so a Variant and the tensors it captured are freed with the caller's last reference). The
+integer handle, checked against the variant key the graph recorded (its runtime parameters are
+op arguments; the handles map to Variants weakly, so a Variant and the tensors it captured are
+freed with the caller's last reference). The
 planned wrappers (BatchPrefill, BatchDecode, SharedPrefixPrefill, the cascades): one op,
 ``jitattn::wrapper_run``, that calls the run() of the wrapper named by an integer handle, so the
 graph holds the handle and the wrapper's current plan is used at every call (re-planning needs
