@@ -126,7 +126,7 @@ def test_divisions_by_row_invariants_become_products():
         ja.Variant("r", score_mod=lambda s, b, h, q, kv: cap * ja.tanh(s / cap) + s / (h + 2) +
                    s / (kv + 1.0) + s / 0.0), backend="cpu", head_dim=64)
     assert "row.r0 = ((float)1.0f / (float)p.jap_cap);" in runtime
-    assert "row.r1 = ((float)1.0f / (float)(((long long)h) + (2LL)));" in runtime
+    assert "row.r1 = ((float)1.0f / (float)ja_add(((long long)h), (2LL)));" in runtime
     assert "(score * row.r0)" in runtime and "(score * row.r1)" in runtime
     assert "(float)score / (float)(kv_idx + 1.0f)" in runtime
     assert "(float)score / (float)0.0f" in runtime
