@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import re
@@ -25,6 +26,7 @@ import torch
 from . import env
 from .cache import TUNE_DIR
 
+log = logging.getLogger("jitattn")
 PREFIXES, SUFFIXES, REQUESTS = (96, 512, 2048, 8196), (1, 4, 32, 256), (2, 8, 32)
 QUICK_CELLS = ((16, 2, 2), (40, 3, 4))
 
@@ -45,11 +47,38 @@ def table_path(key: str) -> Path:
 
 @lru_cache(maxsize=None)
 def load(key: str) -> dict | None:
-    """The stored table for device ``key``, or None (read once per process; save() resets)."""
+    """The stored table for device ``key``, or None (read once per process; save() resets).
+    A file that is not such a table (unreadable, not JSON, or not of the shape the module
+    docstring gives) is ignored with a warning: "auto" then applies its rule."""
+    path = table_path(key)
     try:
-        return json.loads(table_path(key).read_text())
-    except (OSError, ValueError):
+        table = json.loads(path.read_text())
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError) as e:
+        log.warning("jitattn: ignoring the tune table %s (%s)", path, e)
+        return None
+    if not _well_formed(table):
+        log.warning("jitattn: ignoring the tune table %s (not a table of the shape jitattn "
+                    "tune writes; run jitattn tune again)", path)
+        return None
+    return table
+
+
+def _well_formed(table) -> bool:
+    """Whether ``table`` has the fields and types lookup() and the strategy choice read."""
+    def count(x, minimum):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= minimum
+
+    def cell_ok(c):
+        return isinstance(c, dict) and count(c.get("prefix"), 0) and \
+            count(c.get("suffix"), 1) and count(c.get("requests"), 1) and \
+            isinstance(c.get("ms"), dict) and all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(v) and v > 0 for k, v in c["ms"].items())
+    return isinstance(table, dict) and all(
+        count(table.get(k), 1) for k in ("num_qo_heads", "num_kv_heads", "head_dim")) and \
+        isinstance(table.get("cells"), list) and all(map(cell_ok, table["cells"]))
 
 
 def save(table: dict) -> Path:

@@ -119,3 +119,27 @@ def test_a_table_speaks_only_near_its_cells_and_within_capacities(fresh_tables):
     assert only_naive.choose(900, [4] * 4, 16, 8, 128) == "naive"
     with pytest.raises(ValueError, match="max_num_pages=1000"):
         only_naive.plan(900, [4] * 4, 16, 8, 128)
+
+
+def test_a_table_of_another_shape_is_ignored_with_a_warning(fresh_tables, caplog):
+    """A stored file that parses as JSON but is not a tune table crashed every "auto" plan
+    (KeyError, TypeError, a math domain error); like a file that does not parse, it is now
+    ignored and "auto" applies its rule."""
+    good = {"device": "cpu", "num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 64,
+            "dtype": "torch.float16",
+            "cells": [{"prefix": 16, "suffix": 2, "requests": 2, "ms": {"ragged": 1.0}}]}
+    cell = good["cells"][0]
+    rule = SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu").choose(
+        16, [2, 2], 4, 2, 64)
+    for bad in ({}, [], {**good, "cells": [{**cell, "suffix": 0}]},
+                {**good, "cells": [{k: v for k, v in cell.items() if k != "ms"}]},
+                {**good, "cells": [{**cell, "ms": {"ragged": None}}]}, {**good, "head_dim": "64"},
+                "not JSON"):
+        tune.table_path("cpu").parent.mkdir(parents=True, exist_ok=True)
+        tune.table_path("cpu").write_text(bad if isinstance(bad, str) else json.dumps(bad))
+        tune.load.cache_clear()
+        with caplog.at_level("WARNING", logger="jitattn"):
+            sp = SharedPrefixPrefill(ja.Variant("c", mask="causal"), "auto", device="cpu")
+            sp.plan(16, [2, 2], 4, 2, 64)
+        assert sp.choose(16, [2, 2], 4, 2, 64) == rule and "ignoring the tune table" in caplog.text
+        caplog.clear()
