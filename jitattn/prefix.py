@@ -147,11 +147,13 @@ class PrefixTrie:
         deeper apart, in which case the members the branches leave alone are grouped at this
         depth. Groups smaller than ``min_members`` get prefix_len 0. Deterministic: groups
         ordered by their first member. Iterative, so deep tries of many branches are fine.
+        min_members: an int >= 2 (TypeError / ValueError otherwise).
         The choice is made once per branch point, bottom up: every group's prefix is one its
         members share, but a batch can have a partition that saves more (find_shared_prefixes
         of [[0,1,0,1,1,0], [0,1,0,0], [0,1,1,0,0,0], [0,0,0,0], [0,1,0,1]] at block_size 1
         gives {0,1,2,4} at 2 tokens and {3}: 6 saved, where {0,1,4} at 3 and {2,3} at 1 save
         7)."""
+        min_members = int_arg("min_members", min_members, minimum=2)
         # branch points (chains of single children are walked, not stacked), post-order
         best = {}  # id(node) -> (saving, groups)
         stack = [(self.root, 0, False)]
@@ -209,8 +211,9 @@ def find_shared_prefixes(requests: Sequence[Sequence[int]], block_size: int,
     size), an int >= 1. Only whole blocks are shared, and a request never shares its last token
     (the prefix must leave every request at least one token of its own to prefill), so
     prefix_len <= min(len) - 1 rounded down to a block. Returns PrefixGroups covering every
-    request once (see PrefixTrie.groups). Raises TypeError / ValueError naming requests[i] or
-    block_size for anything else (floats, bools, text, 2-D requests, ids beyond int64).
+    request once (see PrefixTrie.groups; min_members: an int >= 2). Raises TypeError /
+    ValueError naming requests[i], block_size or min_members for anything else (floats, bools,
+    text, 2-D requests, ids beyond int64).
     """
     trie = PrefixTrie(block_size)
     for i, tokens in enumerate(requests):
@@ -222,9 +225,9 @@ def multi_item_metadata(prefix_len: int, item_lens: Sequence[int]):
     """Metadata of the multi-item mask (docs/sources.md, scheme 5a) for one request made of a
     prefix and items: (prefix_len, token_pos_in_items, max_item_len), token positions 1-based
     inside each item. The seed's example: prefix 96, items [4, 4] ->
-    (96, [1, 2, 3, 4, 1, 2, 3, 4], 4)."""
-    if prefix_len < 0 or any(n < 1 for n in item_lens):
-        raise ValueError(f"prefix_len={prefix_len}, item_lens={list(item_lens)}: expected a "
-                         f"prefix >= 0 and items of at least one token")
+    (96, [1, 2, 3, 4, 1, 2, 3, 4], 4). prefix_len: an int >= 0; item_lens: ints >= 1 (any
+    iterable). Raises TypeError / ValueError naming the argument."""
+    prefix_len = int_arg("prefix_len", prefix_len, minimum=0)
+    item_lens = [int_arg(f"item_lens[{i}]", n) for i, n in enumerate(item_lens)]
     positions = [i + 1 for n in item_lens for i in range(n)]
     return prefix_len, positions, max(item_lens, default=0)

@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 
 from jitattn.prefix import (PrefixGroup, PrefixTrie, block_hashes, find_shared_prefixes,
@@ -58,8 +59,25 @@ def test_trie_match_for_cross_batch_reuse():
 
 def test_multi_item_metadata_matches_the_seed_example():
     assert multi_item_metadata(96, [4, 4]) == (96, [1, 2, 3, 4, 1, 2, 3, 4], 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"item_lens\[1\]=0: expected an int >= 1"):
         multi_item_metadata(96, [4, 0])
+    # a generator was used up by the check (items vanished); a float or bool prefix came back
+    assert multi_item_metadata(np.int64(3), (n for n in [2, 3])) == (3, [1, 2, 1, 2, 3], 3)
+    for bad, text in ((2.5, r"prefix_len=2.5"), (True, r"prefix_len=True")):
+        with pytest.raises(TypeError, match=text):
+            multi_item_metadata(bad, [1])
+
+
+def test_min_members_is_an_int_of_at_least_two():
+    """min_members was not checked: 1 gave a lone request a shared prefix, a string a bare
+    TypeError from inside the trie."""
+    requests = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 9]]
+    for bad, error in ((1, ValueError), (0, ValueError), (1.5, TypeError), ("2", TypeError),
+                       (True, TypeError)):
+        with pytest.raises(error, match="min_members="):
+            find_shared_prefixes(requests, 1, min_members=bad)
+    assert find_shared_prefixes(requests, 1, min_members=np.int64(3)) == \
+        find_shared_prefixes(requests, 1, min_members=3)
 
 
 def test_long_prompts_do_not_recurse_per_block():
