@@ -159,7 +159,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     out = launch.output_buffer("out", out, (total_q, hq, head_dim), q.dtype, q.device)
     if lse is not None or return_lse:  # (else the kernels store no lse: one allocation less)
         lse = launch.output_buffer("lse", lse, (total_q, hq), torch.float32, q.device, align=4,
-                                   apart_from=out)
+                                   apart_from={"out": out, "q": q, "k": k, "v": v})
     if total_q > 0:
         _launch(q, k, v, out, lse, variant, bound, qo_indptr is not None, qo_host, kv_host,
                 batch, max_qo, float(sm_scale))

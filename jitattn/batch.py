@@ -341,7 +341,7 @@ class BatchPrefill:
         out = launch.output_buffer("out", out, shape, q.dtype, q.device)
         if lse is not None or return_lse:  # (else the kernels store no lse: one allocation less)
             lse = launch.output_buffer("lse", lse, shape[:2], torch.float32, q.device, align=4,
-                                       apart_from=out)
+                                       apart_from={"out": out})
         launcher = self._launcher
         if launcher is not None:  # this plan's launch as its first run() resolved it
             layout = self.kv_layout

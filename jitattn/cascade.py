@@ -149,7 +149,7 @@ class MultiLevelCascade:
         n, total = len(self.levels), q.shape[0]
         out = launch.output_buffer("out", out, q.shape, q.dtype, q.device)
         lse = launch.output_buffer("lse", lse, q.shape[:2], torch.float32, q.device, align=4,
-                                   apart_from=out)
+                                   apart_from={"out": out, "q": q})
         o_levels = torch.empty((n, *q.shape), dtype=q.dtype, device=q.device)
         lse_levels = torch.empty((n, *q.shape[:2]), dtype=torch.float32, device=q.device)
         # each level's slab: one unbind for all (each view op costs host time per layer)

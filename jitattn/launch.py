@@ -96,11 +96,23 @@ class DevicePlan:
             self.mask_bits, self.token_pos))
 
 
+def _span(t) -> tuple[int, int]:
+    """[start, end): the bytes a tensor's elements lie within (strides >= 0)."""
+    start = t.data_ptr()
+    if t.is_contiguous():  # (the usual case: host time)
+        return start, start + t.nbytes
+    if t.numel() == 0:
+        return (0, 0)
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
 def output_buffer(name, t, shape, dtype, device, align: int = 16, apart_from=None):
     """A new output tensor, or the caller's after checking it fits: the shape, dtype and
     device, contiguous, its start a multiple of ``align`` bytes (out: 16, the kernels store
     whole 16-byte chunks of a row; lse: 4, stored a float at a time), and no byte shared with
-    ``apart_from`` (lse: the out buffer, which the kernels write at the same time)."""
+    the tensors of ``apart_from`` (name -> tensor; lse: out, which the kernels write at the same
+    time, and the inputs a caller names)."""
     if t is None:
         return torch.empty(shape, dtype=dtype, device=device)
     check_output(name, t, shape, dtype, device)
@@ -110,11 +122,12 @@ def output_buffer(name, t, shape, dtype, device, align: int = 16, apart_from=Non
         raise ValueError(f"{name} starts at address {t.data_ptr():#x}, not {align}-byte "
                          f"aligned; expected a tensor from torch.empty or a view at a "
                          f"{align}-byte offset")
-    if apart_from is not None and t.data_ptr() < apart_from.data_ptr() + apart_from.nbytes \
-            and apart_from.data_ptr() < t.data_ptr() + t.nbytes:
-        raise ValueError(f"{name} shares memory with out (bytes {t.data_ptr():#x} + "
-                         f"{t.nbytes} and {apart_from.data_ptr():#x} + {apart_from.nbytes}); "
-                         f"expected separate buffers")
+    a0, a1 = _span(t) if apart_from else (0, 0)
+    for other_name, other in (apart_from or {}).items():
+        b0, b1 = _span(other)
+        if a0 < b1 and b0 < a1 and other.device == t.device:
+            raise ValueError(f"{name} shares memory with {other_name} (bytes {a0:#x} + "
+                             f"{a1 - a0} and {b0:#x} + {b1 - b0}); expected separate buffers")
     return t
 
 

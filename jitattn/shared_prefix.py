@@ -361,7 +361,7 @@ class SharedPrefixPrefill:
             out = torch.empty_like(given)  # (the strategies read k / v while they write out)
         if lse is not None or return_lse:
             lse = launch.output_buffer("lse", lse, q.shape[:2], torch.float32, q.device, align=4,
-                                       apart_from=given)
+                                       apart_from={"out": given, "q": q, "k": k, "v": v})
         shared_state = None  # the cascade's shared level, merged once the unique level ran
         whole = slice(0, total)  # rows or keys of the whole layout: the tensors themselves
         for name, rows, kind, keys in self._steps:
