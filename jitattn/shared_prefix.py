@@ -167,7 +167,9 @@ class SharedPrefixPrefill:
         (suffix_len * GQA group <= half a prefill tile: "ragged" would run each request's few
         packed rows in a tile of their own, re-reading the prefix each time, where the cascade
         packs every suffix query into one request against the prefix, read once); otherwise
-        "ragged"; "naive" for variants that ragged would change."""
+        "ragged"; "naive" for variants that ragged would change; when none of those fits the
+        capacities, the first other exact strategy that does (multi_item and custom_mask plan
+        the batch as one request)."""
         m, longest = len(suffix_lens), max(suffix_lens, default=0)
         features = layout_features(self.variant)
         table = tune.load(tune.device_key(self.device))
@@ -183,7 +185,7 @@ class SharedPrefixPrefill:
         order = ["ragged", "naive", "cascade"]  # the rule's preference, exact ones only
         if prefix_len >= 1024 and m >= 8 and longest * group <= tile_rows // 2:
             order.insert(0, "cascade")
-        exact = [s for s in dict.fromkeys(order) if not features - ALLOWED[s]]
+        exact = [s for s in dict.fromkeys(order + list(STRATEGIES)) if not features - ALLOWED[s]]
         # the first that fits the capacities (else the first: its plan() names the capacity)
         return next((s for s in exact if self._fits(s, prefix_len, suffix_lens)), exact[0])
 

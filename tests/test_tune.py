@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import jitattn as ja
 from jitattn import cli, tune
@@ -111,6 +112,18 @@ def test_a_table_speaks_only_near_its_cells_and_within_capacities(fresh_tables):
     assert not few_pages._fits("naive", 900, [4] * 4) and few_pages._fits("ragged", 900, [4] * 4)
     assert few_pages.choose(900, [4] * 4, 16, 8, 128) == "ragged"
     few_pages.plan(900, [4] * 4, 16, 8, 128)
+    # when none of the rule's strategies fits, another exact one that does (it raised: two
+    # requests over max_batch_size=1, which multi_item plans as one request)
+    one_request = SharedPrefixPrefill(ja.Variant("c", mask="causal"), device="cpu",
+                                      max_batch_size=1)
+    assert one_request.choose(20, [2, 3], 2, 1, 64) == "multi_item"
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(25, h, 64, generator=gen).half() for h in (2, 1, 1))
+    one_request.plan(20, [2, 3], 2, 1, 64)
+    naive = SharedPrefixPrefill(ja.Variant("c", mask="causal"), "naive", device="cpu")
+    naive.plan(20, [2, 3], 2, 1, 64)
+    torch.testing.assert_close(one_request.run(q, k, v), naive.run(q, k, v), atol=2e-3,
+                               rtol=2e-3)
     # a variant only naive computes exactly: plan() names the capacity it exceeds
     per_query = ja.tensor("bias", ("qo_len",), "float32")
     only_naive = SharedPrefixPrefill(
