@@ -51,6 +51,24 @@ def test_empty_states_are_the_identity_and_never_nan(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_nan_lse_propagates_and_an_empty_states_o_is_not_read(device):
+    o = torch.randn(2, 4, 64, device=device)
+    lse = torch.randn(2, 4, device=device)
+    lse[0, 1] = math.nan
+    empty_o = torch.full_like(o, math.nan)  # garbage where lse = -inf: must not be read
+    empty_lse = torch.full_like(lse, -math.inf)
+    for m_o, m_lse in (ja.merge_state(o, lse, empty_o, empty_lse),
+                       ja.merge_state(empty_o, empty_lse, o, lse),
+                       ja.merge_states(torch.stack([empty_o, o, empty_o]),
+                                       torch.stack([empty_lse, lse, empty_lse]))):
+        # the max over a NaN and -inf was -inf: the NaN state vanished into an empty row
+        assert m_lse[0, 1].isnan() and m_o[0, 1].isnan().all()
+        keep = ~lse.isnan()
+        torch.testing.assert_close(m_lse[keep], lse[keep])
+        torch.testing.assert_close(m_o[keep], o[keep])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_sigmoid_states_add(device):
     o = torch.randn(3, 6, 2, 128, device=device)
     lse = torch.randn(3, 6, 2, device=device)
