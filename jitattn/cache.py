@@ -27,7 +27,7 @@ import uuid
 from glob import escape as glob_escape
 from pathlib import Path
 
-from filelock import FileLock, Timeout
+from filelock import FileLock
 
 from . import env
 
@@ -37,7 +37,7 @@ log = logging.getLogger("jitattn")
 _FALLBACK: dict = {}
 
 
-def _fallback_root(reason: str) -> Path:
+def fallback_root(reason: str) -> Path:
     """One private temporary cache per process (and per reason), removed at exit."""
     if reason not in _FALLBACK:
         _FALLBACK[reason] = Path(tempfile.mkdtemp(prefix="jitattn-cache-"))
@@ -112,7 +112,7 @@ class Cache:
                     "" if isinstance(e, _Untrusted) or not self.root.is_dir() else
                     "; a cache prebuilt for other users needs chmod -R a+rX, go-w, and this "
                     "user or root as its owner"))
-            self.root = _fallback_root(self.fallback_reason)
+            self.root = fallback_root(self.fallback_reason)
 
     @staticmethod
     def _prepare(root: Path) -> None:
@@ -263,12 +263,20 @@ class Cache:
                 try:
                     with self.lock(staging["key"]).acquire(timeout=0):
                         shutil.rmtree(p, ignore_errors=True)
-                except Timeout:
-                    pass  # a build in progress
+                except OSError:  # (Timeout is one) a build in progress, or an unusable lock
+                    pass
             elif _ENTRY_NAME.fullmatch(p.name):
                 failed = self._failed(p)
-                # (keep_failed runs under the key's lock)
-                with self.lock(p.name.removeprefix("failed-") if failed else p.name):
+                lock = self.lock(p.name.removeprefix("failed-") if failed else p.name)
+                try:
+                    lock.acquire()  # (keep_failed runs under the key's lock)
+                except OSError as e:  # a folder at the lock's path, or another user's file
+                    log.warning("jitattn: %s left: its lock %s cannot be used (%s)", p,
+                                lock.lock_file, e)
+                    continue
+                try:
                     shutil.rmtree(p, ignore_errors=True)
+                finally:
+                    lock.release()
                 n += not failed and not p.exists()
         return n

@@ -17,7 +17,7 @@ import time
 from filelock import Timeout
 
 from . import __version__, build, env, load, render
-from .cache import Cache
+from .cache import Cache, fallback_root
 from .render import RenderedSource
 from .spec import Variant
 
@@ -61,54 +61,76 @@ def cache_key(src: RenderedSource, arch: str | None) -> str:
     return f"{src.name}-{arch or 'host'}-{h.hexdigest()[:16]}"
 
 
+class _LockUnusable(OSError):
+    """A key's lock file cannot be opened (a folder in its place, or not this user's)."""
+
+
 @contextlib.contextmanager
 def _held(lock, key: str):
-    """A key's build lock; JITATTN_DEBUG >= 1 says when another process holds it."""
+    """A key's build lock; JITATTN_DEBUG >= 1 says when another process holds it. Raises
+    _LockUnusable when the lock file cannot be opened."""
     try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        if env.debug_level() >= 1:
-            _say(f"waiting for another process building {key} (lock {lock.lock_file})")
-        lock.acquire()
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            if env.debug_level() >= 1:
+                _say(f"waiting for another process building {key} (lock {lock.lock_file})")
+            lock.acquire()
+    except OSError as e:  # (a Timeout is one, but a blocking acquire raises none)
+        raise _LockUnusable(f"the build lock {lock.lock_file} cannot be used ({e})") from e
     try:
         yield
     finally:
         lock.release()
 
 
-def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = None):
+def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = None, *,
+                   rebuild: bool = False):
     """Binary path for ``src``: from the cache, or built under the key's lock and published.
-    Returns (path, built: bool)."""
+    ``rebuild``: build and publish anew even if the cache holds an entry that passes its
+    checksum (one that did not load). When the key's lock file cannot be opened, the kernel
+    is built in a private temporary cache instead, with a warning. Returns (path, built:
+    bool)."""
     cache = cache or Cache()
     key = cache_key(src, arch)
     binary = build.BINARY_NAME[src.lang]
-    path = cache.load(key, binary)
+    path = None if rebuild else cache.load(key, binary)
     if path is not None:
         if env.debug_level() >= 1:
             _say(f"cache hit {key}")
         return path, False
-    with _held(cache.lock(key), key):
-        path = cache.load(key, binary, quiet=True)  # built by another process while we waited?
-        if path is not None:
-            return path, False
-        if env.debug_level() >= 4:
-            print(src.code, file=sys.stderr)
-        started = time.perf_counter()
-        staged = cache.staging(key)
-        try:
-            build.build(src, staged, arch=arch)
-            path = cache.publish(key, staged, binary, {"name": src.name, "arch": arch,
-                                                       "version": __version__})
-        except build.CompileError as e:
-            kept = cache.keep_failed(key, staged)
-            e.path = kept / e.path.name if e.path else kept
-            e.command = e.command.replace(str(staged), str(kept))
-            raise
-        finally:
-            if staged.exists():
-                shutil.rmtree(staged, ignore_errors=True)
-        _say(f"compiled {src.name} for {arch or 'cpu'} in {time.perf_counter() - started:.1f} s")
-        return path, True
+    try:
+        with _held(cache.lock(key), key):
+            return _build_locked(src, arch, cache, key, binary, rebuild)
+    except _LockUnusable as e:
+        private = Cache(fallback_root(str(e)))
+        return _build_locked(src, arch, private, key, binary, rebuild)
+
+
+def _build_locked(src: RenderedSource, arch: str | None, cache: Cache, key: str, binary: str,
+                  rebuild: bool):
+    """compile_cached's build, with the key's lock held (or in a private cache)."""
+    path = None if rebuild else cache.load(key, binary, quiet=True)  # built while we waited?
+    if path is not None:
+        return path, False
+    if env.debug_level() >= 4:
+        print(src.code, file=sys.stderr)
+    started = time.perf_counter()
+    staged = cache.staging(key)
+    try:
+        build.build(src, staged, arch=arch)
+        path = cache.publish(key, staged, binary, {"name": src.name, "arch": arch,
+                                                   "version": __version__})
+    except build.CompileError as e:
+        kept = cache.keep_failed(key, staged)
+        e.path = kept / e.path.name if e.path else kept
+        e.command = e.command.replace(str(staged), str(kept))
+        raise
+    finally:
+        if staged.exists():
+            shutil.rmtree(staged, ignore_errors=True)
+    _say(f"compiled {src.name} for {arch or 'cpu'} in {time.perf_counter() - started:.1f} s")
+    return path, True
 
 
 def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "prefill",
@@ -141,15 +163,22 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
 
 
 def _built_and_loaded(src: RenderedSource, arch: str | None, loader):
-    """loader(path) of compile_cached's binary; once more when the binary vanished between its
-    checksum and the load (a ``jitattn cache clear`` beside this process)."""
-    path, _ = compile_cached(src, arch)
+    """loader(path) of compile_cached's binary. A cached binary that does not load is built
+    once more: one that vanished between its checksum and the load (a ``jitattn cache clear``
+    beside this process), or one that passes its checksum but is not a loadable binary (an
+    empty file whose sha256 was written beside it). A fresh build that does not load
+    raises (unless it vanished too)."""
+    path, built = compile_cached(src, arch)
     try:
         return loader(path)
-    except Exception:
-        if path.exists():
+    except Exception as e:
+        if not path.exists():  # removed: build it again
+            return loader(compile_cached(src, arch)[0])
+        if built:
             raise
-    return loader(compile_cached(src, arch)[0])
+        log.warning("jitattn: cached %s passed its checksum but does not load (%s); "
+                    "rebuilding", path, e)
+    return loader(compile_cached(src, arch, rebuild=True)[0])
 
 
 def clear_memo() -> None:

@@ -336,6 +336,47 @@ def test_a_binary_removed_between_its_checksum_and_its_load_is_built_again(fresh
     assert len(calls) == 2 and calls[1].is_file()
 
 
+def test_a_binary_that_passes_its_checksum_but_does_not_load_is_rebuilt(fresh_cache, caplog):
+    """An empty library whose sha256 was written into meta.json (ctypes raised OSError)."""
+    path, _ = jit.compile_cached(_src(), None)
+    path.write_bytes(b"")
+    meta = json.loads((path.parent / "meta.json").read_text())
+    meta["sha256"] = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+    (path.parent / "meta.json").write_text(json.dumps(meta))
+    assert jit.compile_cached(_src(), None) == (path, False)  # the checksum holds
+    _run_variant()
+    assert "passed its checksum but does not load" in caplog.text
+    assert path.stat().st_size > 0 and not jit.compile_cached(_src(), None)[1]
+
+
+def test_a_fresh_build_that_does_not_load_raises(fresh_cache):
+    def loader(path):
+        raise OSError("invalid ELF header")
+    with pytest.raises(OSError, match="invalid ELF header"):
+        jit._built_and_loaded(_src(), None, loader)
+
+
+def test_a_folder_in_place_of_a_lock_builds_privately_and_clear_leaves_it(fresh_cache, caplog,
+                                                                           capsys):
+    """A folder at ``<key>.lock`` (IsADirectoryError from the lock): the kernel is built in a
+    private temporary cache with a warning, and `jitattn cache clear` names the entry it
+    cannot lock instead of failing."""
+    from jitattn import cli
+    key = jit.cache_key(_src(), None)
+    fresh_cache.mkdir(mode=0o700)
+    (fresh_cache / f"{key}.lock").mkdir()
+    path, built = jit.compile_cached(_src(), None)
+    assert built and fresh_cache not in path.parents
+    assert f"the build lock {fresh_cache / key}.lock cannot be used" in caplog.text
+    _run_variant()
+    other = render.render_cpu(ja.Variant("cachetest", score_mod=ja.soft_cap(19.0)), head_dim=64)
+    jit.compile_cached(other, None)  # an entry in the root, beside the stuck one's lock
+    (fresh_cache / key).mkdir()  # and the stuck key's entry there too
+    assert cli.main(["cache", "clear"]) == 0
+    assert not (fresh_cache / jit.cache_key(other, None)).exists()
+    assert (fresh_cache / key).exists() and "cannot be used" in caplog.text
+
+
 def test_an_entry_that_cannot_be_removed_is_named(fresh_cache, monkeypatch):
     path, _ = jit.compile_cached(_src(), None)
     path.write_bytes(b"corrupt")
