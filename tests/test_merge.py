@@ -9,7 +9,9 @@ import jitattn as ja
 
 from helpers import make_batch
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the CUDA cases run with `pytest -m gpu` (the default run deselects them)
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")])]
 
 
 @pytest.mark.parametrize("device", DEVICES)
