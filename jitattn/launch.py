@@ -192,13 +192,16 @@ def _fixed_args(qo_indptr, kv_indptr, plan, batch, single_qo_len, single_kv_len,
 
 def _fill_args(fixed, q, k, v, out, lse, ks, vs, sm_scale, variant, bound) -> list:
     """The kernels' values: the tensors' addresses and strides around ``fixed``, the softmax
-    scale, the variant's parameters. Raises ValueError for K/V strides the CUDA kernels cannot
-    address."""
-    if q.is_cuda and max(ks + vs + ((fixed[1][1] - 1) * max(ks[1], vs[1]),)) >= 1 << 31:
-        # the CUDA kernels compute these offsets in int32 (the page term in int64)
-        raise ValueError(f"K/V strides {ks} / {vs} (page, slot, head) and "
-                         f"(page_size - 1) x slot stride must be below 2**31 elements")
+    scale, the variant's parameters. Raises ValueError for q / K / V strides the kernels
+    cannot address."""
     qs0, qs1, _ = q.stride()
+    if max(ks + vs + (qs1, (fixed[1][1] - 1) * max(ks[1], vs[1]))) >= 1 << 31:
+        # both backends take q's head stride and the K/V slot and head strides as int32 (the
+        # CPU kernel's ctypes wrapped them: another head's keys were read); the CUDA kernels
+        # compute these offsets in int32 (the page term in int64)
+        raise ValueError(f"q's head stride {qs1}, the K/V strides {ks} / {vs} (page, slot, "
+                         f"head) and (page_size - 1) x slot stride must be below 2**31 "
+                         f"elements")
     values = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), _ptr(lse), *fixed[0],
               qs0, qs1, *fixed[1], *ks, *vs, sm_scale]
     for p in variant.params:

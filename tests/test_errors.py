@@ -282,3 +282,36 @@ def test_numpy_numbers_are_numbers_and_counts_are_checked_up_front():
     lean.plan(*long, 8, 2, 64)
     assert ref._plan.num_partial_rows > 0 and lean._plan.num_partial_rows == 0
     torch.testing.assert_close(lean.run(q, cache), ref.run(q, cache), rtol=1e-3, atol=1e-3)
+
+
+def test_strides_beyond_int32_are_refused_on_the_cpu_too():
+    """The kernels take q's head stride and K/V's slot / head strides as int32: on the CPU
+    backend a head stride of 2**32 + 64 wrapped to 64 and head 1 read head 0's keys (CUDA
+    refused it already). Views into lazily committed 8 GiB buffers: a few KiB are touched."""
+    n, d = 8, 64
+    big = torch.empty(2**32 + 64 + 2 * n * d, dtype=torch.float16)
+    wide = big.as_strided((n, 2, d), (d, 2**32 + 64, 1))
+    wide.copy_(torch.randn(n, 2, d).half())
+    v = torch.randn(n, 2, d).half()
+    dec = ja.BatchDecode(ja.Variant("c", mask="causal"), kv_layout="ragged", device="cpu")
+    dec.plan(torch.tensor([0, n], dtype=torch.int32), None, None, 2, 2, d)
+    with pytest.raises(ValueError, match=r"K/V strides \(64, 0, 4294967360\) / .* must be "
+                                         r"below 2\*\*31 elements"):
+        dec.run(torch.randn(1, 2, d).half(), (wide, v))
+    q = big[:2 * d].as_strided((1, 2, d), (2 * d, 2**32 + 64, 1))
+    with pytest.raises(ValueError, match=r"q's head stride 4294967360"):
+        ja.attention(q, v[:1], v[:1], ja.Variant("c", mask="causal"))
+    del wide, q, big
+
+
+def test_a_request_of_2_to_the_32_keys_is_refused_not_wrapped():
+    """kv lengths were computed in int32 from the page counts: 2**16 pages of 2**16 tokens (one
+    page listed again and again) wrapped to 0 keys (an output of zeros) or, with a shorter last
+    page, below 0 (the CPU kernel aborted the process)."""
+    i32 = dict(dtype=torch.int32)
+    dec = ja.BatchDecode(ja.Variant("n", mask="none"), page_size=1 << 16, device="cpu")
+    for last in (1 << 16, 5):
+        with pytest.raises(ValueError, match=f"a request has {(2**16 - 1) * 2**16 + last} key "
+                                             f"tokens; expected fewer than"):
+            dec.plan(torch.tensor([0, 1 << 16], **i32), torch.zeros(1 << 16, **i32),
+                     torch.tensor([last], **i32), 1, 1, 32)
