@@ -112,7 +112,9 @@ def check_batch(qo, kv_indptr, kv_indices, kv_last_page_len, *, decode: bool, kv
     if not ragged and kv[-1] > capacity["max_num_pages"]:
         raise ValueError(f"the batch uses {kv[-1]} pages, more than max_num_pages="
                          f"{capacity['max_num_pages']} given to the constructor")
-    kv_lens = np.where(pages > 0, (pages - 1) * tokens_per_page + last, 0)
+    # int64: a request listing a page 2**16 times at page_size 2**16 has 2**32 keys, which
+    # wrapped in int32 (to 0: an output of zeros; or below 0: the CPU kernel aborted)
+    kv_lens = np.where(pages > 0, (pages.astype(np.int64) - 1) * tokens_per_page + last, 0)
     qo_lens = np.diff(qo)
     max_page = int(used.max(initial=-1))
     starts, lens = shared_prefixes(shared_prefix_start, shared_prefix_len, batch, kv_layout)
@@ -120,6 +122,8 @@ def check_batch(qo, kv_indptr, kv_indices, kv_last_page_len, *, decode: bool, kv
         kv_lens = kv_lens + lens
         max_page = max(max_page, int((starts + lens)[lens > 0].max(initial=0)) - 1)
     check_seq_lens(int(qo_lens.max(initial=0)), int(kv_lens.max(initial=0)))
+    if lens is None:
+        kv_lens = kv_lens.astype(np.int32)  # (fits now: the int32 lengths the plan had)
     return BatchInputs(qo, kv, indices, qo_lens, kv_lens, kv_dtype, max_page, starts, lens)
 
 
