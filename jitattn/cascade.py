@@ -108,6 +108,8 @@ class MultiLevelCascade:
             r = torch.as_tensor(q_rows[i])
         except (TypeError, ValueError, RuntimeError):
             r = None
+        if r is not None and r.numel() == 0:
+            r = r.long()  # (an empty list is a float32 tensor: it holds no float values)
         if r is None or r.dtype.is_floating_point or r.dtype.is_complex or r.dtype == torch.bool:
             raise TypeError(f"q_rows[{i}] must hold integer rows of q, got "
                             f"{r.dtype if r is not None else type(q_rows[i]).__name__} values")
@@ -143,6 +145,9 @@ class MultiLevelCascade:
                                f"plan() that raised)")
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        if q.dim() != 3:
+            raise ValueError(f"q has shape {tuple(q.shape)}; expected [total_q, num_qo_heads, "
+                             f"head_dim]")
         if q.shape[0] < self._min_rows:
             raise ValueError(f"q has {q.shape[0]} rows; the plan uses rows up to "
                              f"{self._min_rows - 1}")
@@ -331,7 +336,8 @@ class CascadeDecode(MultiLevelCascade):
         refused as here)."""
         if self.chosen == "plain":  # a reference kept from a cascade plan
             return self.plain.run(q, kv_cache, return_lse=return_lse, **params)
+        # (the levels accept rows beyond the plan's)
         if self.chosen is not None and isinstance(q, torch.Tensor) and \
-                q.shape[0] != self._q_shape[0]:  # (the levels accept rows beyond the plan's)
+                (q.dim() != 3 or q.shape[0] != self._q_shape[0]):
             raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects {self._q_shape}")
         return super().run(q, kv_cache, return_lse=return_lse, **params)  # (rejects them too)

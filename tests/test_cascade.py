@@ -138,6 +138,30 @@ def test_level_rows_are_checked():
         ja.MultiLevelCascade(ja.Variant("m", mask="custom"), 2, device="cpu")
 
 
+def test_an_empty_level_takes_an_empty_row_list_and_q_must_be_3d():
+    """q_rows=[[], ...] for a level without queries was refused as float32 rows (an empty list
+    is a float32 tensor); a 0-dim q raised IndexError from both cascades' run()."""
+    i32 = dict(dtype=torch.int32)
+    levels = ja.MultiLevelCascade(ja.Variant("c", mask="causal"), 2, page_size=16, device="cpu")
+    cache = tuple(torch.randn(4, 16, 2, 64).half() for _ in range(2))
+    levels.plan([torch.tensor([0, 0], **i32), torch.tensor([0, 1, 2], **i32)],
+                [torch.tensor([0, 1], **i32), torch.tensor([0, 1, 2], **i32)],
+                [torch.tensor([0], **i32), torch.tensor([1, 2], **i32)],
+                [torch.tensor([5], **i32), torch.tensor([3, 4], **i32)], 4, 2, 64,
+                q_rows=[[], [1, 0]])
+    q = torch.randn(2, 4, 64).half()
+    expected = _plain_decode(ja.Variant("c", mask="causal"), 16, [[2], [1]], [4, 3], 4, 2,
+                             64).run(q, cache)
+    torch.testing.assert_close(levels.run(q, cache), expected, **TOL[torch.float16])
+    with pytest.raises(ValueError, match=r"q has shape \(\); expected \[total_q, "):
+        levels.run(torch.tensor(1.0).half(), cache)
+    cd = ja.CascadeDecode(ja.Variant("c", mask="causal"), page_size=16, device="cpu")
+    cd.plan(torch.tensor([0], **i32), 16, torch.tensor([0, 1, 2], **i32),
+            torch.tensor([1, 2], **i32), torch.tensor([3, 4], **i32), 4, 2, 64)
+    with pytest.raises(ValueError, match=r"q has shape \(\); the plan expects \(2, 4, 64\)"):
+        cd.run(torch.tensor(1.0).half(), cache)
+
+
 @pytest.mark.parametrize("shared_rows", [[2, 0], [1, 2]], ids=["gathered", "consecutive"])
 def test_levels_covering_some_rows(shared_rows):
     """A shared level that only some rows attend to (scattered rows or a consecutive run):
