@@ -18,6 +18,7 @@ binding), so a kernel never reads out of bounds.
 from __future__ import annotations
 
 import math
+import operator
 import re
 import warnings
 from dataclasses import dataclass
@@ -108,6 +109,22 @@ def scalar(name: str) -> "Expr":
     return Expr("scalar", (ScalarParam(name),), "float")
 
 
+def _shape_entry(name: str, s):
+    """A ja.tensor shape entry: a symbol of SHAPE_SYMBOLS, or a positive int (numpy's too; not
+    a bool, which was taken as a size of 1)."""
+    if isinstance(s, str):
+        if s in SHAPE_SYMBOLS:
+            return s
+    elif not isinstance(s, (bool, np.bool_)):
+        try:
+            if operator.index(s) > 0:
+                return operator.index(s)
+        except TypeError:
+            pass
+    raise SpecError(f"tensor {name!r}: shape entry {s!r} must be a positive int or one of "
+                    f"{SHAPE_SYMBOLS}")
+
+
 def tensor(name: str, shape, dtype="float32") -> TensorParam:
     """A runtime tensor parameter, e.g. ``ja.tensor("slopes", ("num_qo_heads",), "float32")``.
 
@@ -120,10 +137,7 @@ def tensor(name: str, shape, dtype="float32") -> TensorParam:
     shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
     if not shape:
         raise SpecError(f"tensor {name!r}: shape must have at least one dimension")
-    for s in shape:
-        if not ((isinstance(s, int) and s > 0) or s in SHAPE_SYMBOLS):
-            raise SpecError(f"tensor {name!r}: shape entry {s!r} must be a positive int or one "
-                            f"of {SHAPE_SYMBOLS}")
+    shape = tuple(_shape_entry(name, s) for s in shape)
     if isinstance(dtype, str):
         if dtype not in dtypes.FROM_NAME:
             raise SpecError(f"tensor {name!r}: dtype {dtype!r} must be one of "

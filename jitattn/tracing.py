@@ -7,6 +7,7 @@ reads.
 from __future__ import annotations
 
 import inspect
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,12 +80,18 @@ def _tensor_names(fn) -> dict:
     return found
 
 
-_TRACER = _Tracer()  # the trace in progress (captured tensors get its parameter names)
+# each thread's trace in progress (captured tensors get its parameter names): a global one
+# took another thread's captures, whose names then clashed in its own variant
+_LOCAL = threading.local()
 
 
 def current() -> _Tracer:
-    """The trace in progress, which dsl.Expr asks to capture a tensor indexed by symbols."""
-    return _TRACER
+    """This thread's trace in progress, which dsl.Expr asks to capture a tensor indexed by
+    symbols."""
+    tracer = getattr(_LOCAL, "tracer", None)
+    if tracer is None:
+        tracer = _LOCAL.tracer = _Tracer()
+    return tracer
 
 
 # bounds on one traced mod: walks over an expression (building the Variant, rendering, the
@@ -127,7 +134,6 @@ class Traced:
 def trace(fn, kind: str) -> Traced:
     """Trace ``fn`` as a ``"score_mod"`` (5 args, float result) or ``"mask_mod"`` (4 args,
     bool result). Raises SpecError for anything the DSL cannot express."""
-    global _TRACER
     names = SYMBOLS if kind == "score_mod" else SYMBOLS[1:]
     if not callable(fn):
         raise SpecError(f"{kind} must be callable, got {type(fn).__name__}")
@@ -144,8 +150,8 @@ def trace(fn, kind: str) -> Traced:
     except ValueError:
         pass  # builtins without signatures: try the call
     args = [Expr("sym", (n,), "float" if n == "score" else "int") for n in names]
-    outer, _TRACER = _TRACER, _Tracer(prefix=kind.split("_")[0] + "_captured",
-                                      names=_tensor_names(fn))
+    outer = current()
+    _LOCAL.tracer = _Tracer(prefix=kind.split("_")[0] + "_captured", names=_tensor_names(fn))
     try:
         src = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
     except (OSError, TypeError):
@@ -161,7 +167,7 @@ def trace(fn, kind: str) -> Traced:
                         f"{type(e).__name__}: {e}. Only arithmetic, comparisons, &|~ and the "
                         f"ja.* functions are supported") from e
     finally:
-        _TRACER = outer
+        _LOCAL.tracer = outer
     try:
         out = _lift(out)
     except SpecError as e:  # e.g. the mod returned None

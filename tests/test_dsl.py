@@ -1,7 +1,10 @@
 """The DSL: tracing, C++ emission, torch evaluation, and the errors for unsupported Python."""
 
 import math
+import re
+import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -301,3 +304,49 @@ def test_minimum_and_maximum_carry_nan_as_torch_does():
                        score_mod=lambda s, b, h, qi, ki, fn=fn: fn(ja.log(s), -5.0))
         got, want = ja.attention(q, q, q, v), reference.attention(q, q, q, v)
         assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+
+
+def test_tensor_shape_entries_are_ints_or_symbols():
+    """numpy ints are ints (refused, as "must be a positive int"); a bool is not a size (True
+    was a dimension of 1)."""
+    assert dsl.tensor("t", (np.int64(5), "kv_len")).shape == (5, "kv_len")
+    for bad in (True, 0, 2.0, "len", None):
+        with pytest.raises(SpecError, match=re.escape(f"shape entry {bad!r} must be a positive "
+                                                      f"int")):
+            dsl.tensor("t", (bad,))
+
+
+def test_variants_traced_in_two_threads_capture_their_own_tensors():
+    """The trace in progress was a module global: a tensor captured in one thread while the
+    other's trace was current went into the other's variant, and the first thread's variant
+    failed with a clash of parameter names. Events force that interleaving."""
+    ta, tb, tc = torch.arange(8.0), torch.arange(8.0) * 2, torch.arange(8.0) * 3
+    a_started, b_started, a_captured, b_done = (threading.Event() for _ in range(4))
+    built = {}
+
+    def mod_a(s, b, h, q, k):
+        a_started.set()
+        b_started.wait(10)
+        x = s + ta[k]  # while thread B's trace is in progress
+        a_captured.set()
+        b_done.wait(10)
+        return x + tc[k]
+
+    def mod_b(s, b, h, q, k):
+        b_started.set()
+        a_captured.wait(10)
+        return s + tb[k]
+
+    def build_b():
+        a_started.wait(10)
+        built["B"] = ja.Variant("B", score_mod=mod_b)
+        b_done.set()
+    threads = [threading.Thread(target=lambda: built.update(A=ja.Variant("A", score_mod=mod_a))),
+               threading.Thread(target=build_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(built) == ["A", "B"]  # (a thread that raised built nothing)
+    assert [id(p.captured) for p in built["A"].tensor_params] == [id(ta), id(tc)]
+    assert [id(p.captured) for p in built["B"].tensor_params] == [id(tb)]
