@@ -95,6 +95,7 @@ def _merge_pair(o_a, lse_a, o_b, lse_b, out, lse_out, reduction: str, *, caller:
 def merge_state(o_a, lse_a, o_b, lse_b, *, reduction: str = "softmax"):
     """Merge two attention states of the same shape: o [..., head_dim], lse [...] float32.
     Returns (o, lse). See merge_states."""
+    _check_state("merge_state (o_a, lse_a)", o_a, lse_a)  # (before empty_like reads them)
     out, lse_out = torch.empty_like(o_a), torch.empty_like(lse_a)
     _merge_pair(o_a, lse_a, o_b, lse_b, out, lse_out, reduction, caller="merge_state",
                 names=("o_a, lse_a", "o_b, lse_b"))

@@ -7,6 +7,7 @@ import math
 import torch
 
 from . import dsl
+from .args import int_arg
 
 
 def soft_cap(cap: float, approx: bool = False):
@@ -31,8 +32,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     next power of two, as in the paper's reference code; this keeps non-power-of-two counts
     (e.g. 12, 40) correct.
     """
-    if num_heads < 1:
-        raise ValueError(f"alibi_slopes: num_heads={num_heads} must be >= 1")
+    num_heads = int_arg("num_heads", num_heads)  # (2.5 and "8" raised deep inside; 4.0 passed)
 
     def pow2(n):
         start = 2.0 ** (-8.0 / n)

@@ -14,6 +14,7 @@ import json
 import math
 import numbers
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -71,8 +72,16 @@ class RoPE:
             raise SpecError(f"RoPE theta={self.theta!r}: expected a finite number > 1")
         if self.style not in ("neox", "gptj"):
             raise SpecError(f"RoPE style={self.style!r}: expected 'neox' or 'gptj'")
-        sc = dict(self.scaling) if self.scaling else None
-        if sc is not None:
+        sc = None
+        if self.scaling is not None:
+            try:  # (a tuple of pairs: the form stored below, for copies)
+                sc = dict(self.scaling) if isinstance(self.scaling, (Mapping, tuple)) else False
+            except (TypeError, ValueError):
+                sc = False
+            if sc is False:
+                raise SpecError(f"RoPE scaling={self.scaling!r}: expected None or a dict such "
+                                f"as {{'type': 'linear', 'factor': 2.0}}")
+        if sc:
             kind = sc.pop("type", None) or sc.pop("rope_type", None)
             need = {"linear": {"factor"},
                     "llama3": {"factor", "low_freq_factor", "high_freq_factor",
@@ -87,8 +96,13 @@ class RoPE:
                 raise SpecError(f"RoPE scaling {kind!r}: values must be finite numbers > 0 "
                                 f"(the generated code's constants): {sc}")
             sc = tuple(sorted({"type": kind, **{k: float(v) for k, v in sc.items()}}.items()))
-        object.__setattr__(self, "scaling", sc)
+        object.__setattr__(self, "scaling", sc or None)
         object.__setattr__(self, "theta", float(self.theta))
+        # the largest frequency (pair 0's, at any head_dim) goes into the kernels as float32
+        if self.inv_freq(2).max() > _FLOAT32_MAX:
+            raise SpecError(f"RoPE scaling {dict(sc)}: frequencies up to "
+                            f"{self.inv_freq(2).max():.3g} do not fit float32 (the kernels' "
+                            f"frequency table)")
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """Per-pair angular frequencies (radians per position), float64, shape [head_dim // 2]."""
@@ -266,7 +280,7 @@ class Variant:
         if not params and not self._params:  # most variants: nothing to bind (host time)
             return {}
         self.check_param_names(params)
-        bound = {}
+        bound, stand_ins = {}, set()
         for p in self._params:
             if isinstance(p, ScalarParam):
                 val = params[p.name]
@@ -295,7 +309,8 @@ class Variant:
             if tuple(t.shape) != want:
                 raise ValueError(f"{what} {shown!r} has shape {tuple(t.shape)}, expected "
                                  f"{want} (declared {p.shape})")
-            if 0 in t.shape:
+            empty = 0 in t.shape
+            if empty and not any(isinstance(s, str) and sizes[s] == 0 for s in p.shape):
                 raise ValueError(f"{what} {shown!r} has an empty dimension (shape "
                                  f"{tuple(t.shape)})")
             if t.dtype != p.dtype:
@@ -306,13 +321,19 @@ class Variant:
             if not t.is_contiguous():
                 raise ValueError(f"{what} {shown!r} must be contiguous (strides "
                                  f"{t.stride()}; pass or capture t.contiguous())")
+            # empty because a size it is declared over is 0 (a batch without keys, queries
+            # or requests): no score is computed, but the kernels may still read the table
+            # where they hoist what one query row needs, so they get one element per dimension
+            if empty:
+                stand_ins.add(p.name)
+                t = t.new_zeros((1,) * t.dim())
             bound[p.name] = t
         extent = {"b": sizes["batch_size"], "h": sizes["num_qo_heads"],
                   "q_idx": sizes["kv_len"], "kv_idx": sizes["kv_len"]}
         shown = {p.name: p.display for p in self._params if isinstance(p, TensorParam)}
         for name, dim, sym in self._direct_index:
             t = bound[name]
-            if t.shape[dim] < extent[sym]:
+            if t.shape[dim] < extent[sym] and name not in stand_ins:
                 raise ValueError(
                     f"tensor {shown.get(name, name)!r} (shape {tuple(t.shape)}) is indexed by "
                     f"{sym} in dimension {dim}, which reaches {extent[sym] - 1}: that "

@@ -1,5 +1,6 @@
 """Bad input raises a clear TypeError / ValueError naming the argument, before any launch."""
 
+import math
 import warnings
 
 import numpy as np
@@ -315,3 +316,22 @@ def test_a_request_of_2_to_the_32_keys_is_refused_not_wrapped():
                                              f"tokens; expected fewer than"):
             dec.plan(torch.tensor([0, 1 << 16], **i32), torch.zeros(1 << 16, **i32),
                      torch.tensor([last], **i32), 1, 1, 32)
+
+
+def test_tables_sized_by_an_empty_length_are_bound():
+    """A ("kv_len",) / ("qo_len",) table is empty when the batch has no keys / queries: it was
+    refused (every shape was), and an empty one passed to the kernel would have been read where
+    a query row's part is hoisted (a segfault on the CPU backend)."""
+    t = ja.tensor("t", ("kv_len",), "float32")
+    u = ja.tensor("u", ("qo_len",), "float32")
+    variant = ja.Variant("empty_len", mask="causal",
+                         score_mod=lambda s, b, h, q, k: s * t[q] + u[k])
+    q, no_keys = torch.randn(3, 4, 64).half(), torch.randn(0, 1, 64).half()
+    out, lse = ja.attention(q, no_keys, no_keys, variant, t=torch.ones(0), u=torch.ones(3),
+                            return_lse=True)
+    assert (out == 0).all() and (lse == -math.inf).all()
+    keys = torch.randn(5, 1, 64).half()
+    out = ja.attention(q[:0], keys, keys, variant, t=torch.ones(5), u=torch.ones(0))
+    assert out.shape == (0, 4, 64)
+    with pytest.raises(ValueError, match=r"parameter 't' has shape \(1,\), expected \(0,\)"):
+        ja.attention(q, no_keys, no_keys, variant, t=torch.ones(1), u=torch.ones(3))

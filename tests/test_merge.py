@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +82,10 @@ def test_sigmoid_states_add(device):
 
 def test_bad_states():
     o, lse = torch.randn(2, 4, 64), torch.randn(2, 4)
+    for bad in (None, [1.0], np.zeros(4)):  # (torch.empty_like's error named no argument)
+        with pytest.raises(TypeError, match=r"merge_state \(o_a, lse_a\): o and lse must be "
+                                            r"torch.Tensors"):
+            ja.merge_state(bad, lse[0], o[1], lse[1])
     with pytest.raises(TypeError, match="lse has dtype torch.float64"):
         ja.merge_states(o, lse.double())
     with pytest.raises(ValueError, match="without the last dimension"):

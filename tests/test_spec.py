@@ -63,6 +63,16 @@ def test_rope_validation_and_llama3_frequencies():
         with pytest.raises(SpecError, match=re.escape(text)):
             ja.RoPE(**bad)
     assert ja.RoPE(theta=np.float32(1e4), scaling={**llama3, "factor": np.int64(8)}).theta == 1e4
+    # not a mapping: dict()'s own errors; frequencies beyond float32: NaN from the kernels only
+    for scaling in ("linear", 3, ["linear", 2.0]):
+        with pytest.raises(SpecError, match=re.escape(f"RoPE scaling={scaling!r}: expected None "
+                                                      f"or a dict")):
+            ja.RoPE(scaling=scaling)
+    with pytest.raises(SpecError, match="frequencies up to 1e[+]39 do not fit float32"):
+        ja.RoPE(scaling={"type": "linear", "factor": 1e-39})
+    assert ja.RoPE(scaling={}).scaling is None
+    rope = ja.RoPE(scaling={"type": "linear", "factor": 2.0})
+    assert ja.RoPE(scaling=rope.scaling).scaling == rope.scaling  # (its stored form)
     # HF only warns when high_freq_factor <= low_freq_factor: the smoothing's division by their
     # difference lands in entries that are not selected, and no numpy warning escapes
     with warnings.catch_warnings():
@@ -111,6 +121,12 @@ def test_alibi_slopes_non_power_of_two():
     s8, s12 = ja.alibi_slopes(8), ja.alibi_slopes(12)
     assert torch.allclose(s8, torch.tensor([2.0 ** (-i) for i in range(1, 9)]))
     assert torch.equal(s12[:8], s8) and len(set(s12.tolist())) == 12
+    for bad in ("8", 2.5, 4.0, None, True):  # raised deep inside, or (4.0) passed
+        with pytest.raises(TypeError, match=re.escape(f"num_heads={bad!r}: expected an int")):
+            ja.alibi_slopes(bad)
+    with pytest.raises(ValueError, match="num_heads=0: expected an int >= 1"):
+        ja.alibi_slopes(0)
+    assert torch.equal(ja.alibi_slopes(np.int64(8)), s8)
 
 
 def test_scalars_float32_cannot_hold_and_empty_tensors_are_rejected():
@@ -134,11 +150,19 @@ def test_scalars_float32_cannot_hold_and_empty_tensors_are_rejected():
         v.bind({"cap": torch.tensor(2.0)}, device=cpu, sizes=SIZES)
     with pytest.raises(SpecError, match=r"soft_cap: cap=inf must be finite and > 0"):
         ja.soft_cap(float("inf"))
+    # empty where a size it is declared over is 0 (a batch without keys): bound to a one-element
+    # stand-in (the kernels may read a table where they hoist a query row's part); captured
+    # tensors, whose sizes are fixed, may not be empty
     table = ja.tensor("table", ("kv_len",), "float32")
     w = ja.Variant("t", score_mod=lambda s, b, h, q, k: s + table[k])
-    with pytest.raises(ValueError, match="empty dimension"):
-        w.bind({"table": torch.ones(0)}, device=torch.device("cpu"),
-               sizes={**SIZES, "kv_len": 0})
+    bound = w.bind({"table": torch.ones(0)}, device=torch.device("cpu"),
+                   sizes={**SIZES, "kv_len": 0})
+    assert bound["table"].shape == (1,)
+    empty = torch.ones(0)
+    c = ja.Variant("c", score_mod=lambda s, b, h, q, k: s + empty[k])
+    with pytest.raises(ValueError, match=r"captured tensor 'empty \(score_captured0\)' has an "
+                                         r"empty dimension"):
+        c.bind({}, device=torch.device("cpu"), sizes={**SIZES, "kv_len": 0})
 
 
 def test_param_names_reserved_for_attention_keywords():
