@@ -206,6 +206,17 @@ def test_lse_sharing_memory_with_out_is_refused():
         torch.testing.assert_close(got, call(x, None, None), rtol=0, atol=0, msg=name)
 
 
+def test_an_out_sharing_memory_with_the_inputs_is_refused():
+    """ja.attention's out was not checked against q, k and v (only lse was): out=k was written
+    while other rows' products still read k."""
+    q, k, v = (torch.randn(12, 4, 32).half() for _ in range(3))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        with pytest.raises(ValueError, match=f"out shares memory with {name} \\(bytes 0x"):
+            ja.attention(q, k, v, V, out=t)
+    out = torch.empty_like(q)
+    assert ja.attention(q, k, v, V, out=out).data_ptr() == out.data_ptr()
+
+
 def test_a_misspelt_keyword_is_named():
     """A misspelt keyword of the call lands among the variant's parameters: say which."""
     q, k = torch.randn(2, 4, 64).half(), torch.randn(3, 2, 64).half()
