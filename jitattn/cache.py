@@ -73,6 +73,8 @@ def _meta(folder: Path) -> dict:
         meta = json.loads((folder / "meta.json").read_text())
     except OSError as e:
         raise ValueError(str(e)) from None
+    except RecursionError:  # (JSON nested deeper than the parser's recursion)
+        raise ValueError("meta.json is nested too deeply") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), str):
         raise ValueError(f"meta.json is not an entry's metadata: {str(meta)[:60]!r}")
     return meta
@@ -226,8 +228,13 @@ class Cache:
         return folder.name.startswith("failed-") and not (folder / "meta.json").exists()
 
     def _entry_folders(self, root: Path) -> list[Path]:
-        return sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()
-                      and _ENTRY_NAME.fullmatch(p.name) and not self._failed(p))
+        def entry(p: Path) -> bool:
+            try:
+                return p.is_dir() and not p.is_symlink() and bool(_ENTRY_NAME.fullmatch(p.name)) \
+                    and not self._failed(p)
+            except OSError:  # a path whose type cannot be read (a root at /proc/1)
+                return False
+        return sorted(p for p in root.iterdir() if entry(p))
 
     def entries(self) -> list[dict]:
         """meta.json of every entry, a read-only root's too (unreadable or malformed ones with
@@ -240,9 +247,14 @@ class Cache:
             except ValueError as e:
                 meta = {"error": str(e)}
             created = meta.get("created")
-            meta.update(key=folder.name, bytes=sum(f.stat().st_size for f in folder.iterdir()
-                                                   if f.is_file()),
-                        created=created if isinstance(created, (int, float)) else 0)
+            try:
+                size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+            except OSError as e:
+                size, meta = 0, {"error": str(e)}
+            # a time stamp that time.localtime takes (NaN, 1e300 and -1e18 raised in `ls`)
+            known = isinstance(created, (int, float)) and not isinstance(created, bool) and \
+                0 <= created < 2**33
+            meta.update(key=folder.name, bytes=size, created=created if known else 0)
             out.append(meta)
         return out
 

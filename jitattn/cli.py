@@ -74,7 +74,11 @@ def _cache(args) -> int:
             print(f"jitattn cache clear: {e}", file=sys.stderr)
             return 1
         return 0
-    rows = cache.entries()
+    try:
+        rows = cache.entries()
+    except OSError as e:
+        print(f"jitattn cache ls: {e}", file=sys.stderr)
+        return 1
     for meta in rows:
         built = time.strftime("%Y-%m-%d %H:%M", time.localtime(meta["created"]))
         error = f"  (unreadable: {meta['error']})" if "error" in meta else ""

@@ -55,8 +55,9 @@ def load(key: str) -> dict | None:
         table = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
-        log.warning("jitattn: ignoring the tune table %s (%s)", path, e)
+    except (OSError, ValueError, RecursionError) as e:  # (RecursionError: JSON nested deep)
+        log.warning("jitattn: ignoring the tune table %s (%s)", path,
+                    "nested too deeply" if isinstance(e, RecursionError) else e)
         return None
     if not _well_formed(table):
         log.warning("jitattn: ignoring the tune table %s (not a table of the shape jitattn "
@@ -67,15 +68,22 @@ def load(key: str) -> dict | None:
 
 def _well_formed(table) -> bool:
     """Whether ``table`` has the fields and types lookup() and the strategy choice read."""
-    def count(x, minimum):
-        return isinstance(x, int) and not isinstance(x, bool) and x >= minimum
+    def count(x, minimum):  # (JSON ints are unbounded: the plans' counts are int32)
+        return isinstance(x, int) and not isinstance(x, bool) and minimum <= x < 2**31
+
+    def time_ok(v):  # a finite float > 0 (an int such as 10**400 has no float)
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            return False
+        try:
+            return math.isfinite(float(v)) and v > 0
+        except OverflowError:
+            return False
 
     def cell_ok(c):
         return isinstance(c, dict) and count(c.get("prefix"), 0) and \
             count(c.get("suffix"), 1) and count(c.get("requests"), 1) and \
             isinstance(c.get("ms"), dict) and all(
-                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                and math.isfinite(v) and v > 0 for k, v in c["ms"].items())
+                isinstance(k, str) and time_ok(v) for k, v in c["ms"].items())
     return isinstance(table, dict) and all(
         count(table.get(k), 1) for k in ("num_qo_heads", "num_kv_heads", "head_dim")) and \
         isinstance(table.get("cells"), list) and all(map(cell_ok, table["cells"]))

@@ -243,9 +243,14 @@ def test_malformed_metadata_is_rebuilt_and_listed(fresh_cache, meta, capsys):
     assert jit.compile_cached(_src(), None)[1]  # rebuilt
     _run_variant()
     meta = json.loads((path.parent / "meta.json").read_text())
-    meta["created"] = "yesterday"
-    (path.parent / "meta.json").write_text(json.dumps(meta))
-    assert cli.main(["cache", "ls"]) == 0 and "1970-01-01" in capsys.readouterr().out
+    # time stamps time.localtime refuses (ValueError, OverflowError, OSError in `ls`)
+    for created in ('"yesterday"', "NaN", "1e300", "-1e18", "true"):
+        text = json.dumps({**meta, "created": 0}).replace('"created": 0', f'"created": {created}')
+        (path.parent / "meta.json").write_text(text)
+        assert cli.main(["cache", "ls"]) == 0 and "1970-01-01" in capsys.readouterr().out
+    (path.parent / "meta.json").write_text("[" * 100000)  # (RecursionError in json.loads)
+    assert cli.main(["cache", "ls"]) == 0 and "nested too deeply" in capsys.readouterr().out
+    assert jit.compile_cached(_src(), None)[1]
 
 
 def test_staging_folders_of_killed_builds_are_removed(fresh_cache):

@@ -147,7 +147,10 @@ def test_a_table_of_another_shape_is_ignored_with_a_warning(fresh_tables, caplog
     for bad in ({}, [], {**good, "cells": [{**cell, "suffix": 0}]},
                 {**good, "cells": [{k: v for k, v in cell.items() if k != "ms"}]},
                 {**good, "cells": [{**cell, "ms": {"ragged": None}}]}, {**good, "head_dim": "64"},
-                "not JSON"):
+                "not JSON",
+                # JSON's unbounded ints (OverflowError), nesting past the parser's recursion
+                {**good, "cells": [{**cell, "ms": {"ragged": 10**400}}]},
+                {**good, "cells": [{**cell, "requests": 2**40}]}, "[" * 100000):
         tune.table_path("cpu").parent.mkdir(parents=True, exist_ok=True)
         tune.table_path("cpu").write_text(bad if isinstance(bad, str) else json.dumps(bad))
         tune.load.cache_clear()
