@@ -156,8 +156,13 @@ def _tune(args) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("jitattn tune needs a CUDA GPU (or --cpu)", file=sys.stderr)
         return 2
-    table = tune.measure(device, quick=args.quick, num_qo_heads=args.heads[0],
-                         num_kv_heads=args.heads[1], head_dim=args.head_dim)
+    hq, hkv = args.heads
+    if hq < 1 or hkv < 1 or hq % hkv:
+        print(f"jitattn tune: --heads {hq} {hkv}: expected NUM_QO_HEADS and NUM_KV_HEADS >= 1, "
+              f"the first a multiple of the second", file=sys.stderr)
+        return 2
+    table = tune.measure(device, quick=args.quick, num_qo_heads=hq, num_kv_heads=hkv,
+                         head_dim=args.head_dim)
     for cell in table["cells"]:
         best = min(cell["ms"], key=cell["ms"].get)
         print(f"P{cell['prefix']} S{cell['suffix']} M{cell['requests']}: {best} "

@@ -136,8 +136,16 @@ def lookup(table: dict, prefix_len: int, suffix_len: int, requests: int, allowed
 def measure(device, *, quick: bool = False, num_qo_heads: int = 16, num_kv_heads: int = 8,
             head_dim: int = 128, dtype=torch.float16, reps: int = 5) -> dict:
     """Time every strategy on every cell of the grid (QUICK_CELLS with quick) on ``device``
-    with a causal variant; returns the table (not saved)."""
+    with a causal variant; returns the table (not saved). Raises TypeError / ValueError for
+    head counts that are not ints >= 1 with num_qo_heads a multiple of num_kv_heads (before
+    any timing)."""
     from . import bench, bench_shared
+    from .args import int_arg
+    num_qo_heads = int_arg("num_qo_heads", num_qo_heads)
+    num_kv_heads = int_arg("num_kv_heads", num_kv_heads)
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads})")
     from .shared_prefix import STRATEGIES, SharedPrefixPrefill
     from .spec import Variant
     device = torch.device(device)

@@ -28,6 +28,16 @@ def test_tune_quick_prints_every_strategy_and_saves_nothing(fresh_tables, capsys
         assert all(f" {strategy} " in line for strategy in STRATEGIES)
 
 
+@pytest.mark.parametrize("heads", [("0", "8"), ("-1", "1"), ("3", "2")])
+def test_tune_names_bad_heads(fresh_tables, capsys, heads):
+    """--heads 0 8 / -1 1 / 3 2 ended in tracebacks from deep inside the measurement."""
+    assert cli.main(["tune", "--quick", "--cpu", "--heads", *heads]) == 2
+    assert f"--heads {' '.join(heads)}: expected NUM_QO_HEADS and NUM_KV_HEADS >= 1" in \
+        capsys.readouterr().err
+    with pytest.raises((TypeError, ValueError), match="num_"):
+        tune.measure("cpu", quick=True, num_qo_heads=int(heads[0]), num_kv_heads=int(heads[1]))
+
+
 def test_tune_stores_the_table_and_auto_follows_it(fresh_tables):
     table = tune.measure("cpu", quick=True, num_qo_heads=4, num_kv_heads=2, head_dim=64)
     assert (table["num_qo_heads"], table["num_kv_heads"], table["head_dim"]) == (4, 2, 64)
