@@ -136,8 +136,8 @@ class Variant:
         means unlimited. Inclusive: window_left=0 keeps only the diagonal.
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> float``; score is q.k * sm_scale. Returning
         -inf hides the key. A NaN or +inf score (in float32: e.g. log of a negative score, an
-        exp that overflows) makes its row's output NaN, as in torch, and that row's lse is then
-        meaningless (NaN or -inf).
+        exp that overflows) makes its row's output and lse NaN, as in torch (and a merge of that
+        row's states NaN too).
     mask_mod: ``f(b, h, q_idx, kv_idx) -> bool``; False hides the key (ANDed with mask/window).
     pos_encoding: :class:`RoPE` applied to q and k on load, or None.
     reduction: ``"softmax"``, or ``"sigmoid"``: out = sum_j sigmoid(s_j) v_j, unnormalised;

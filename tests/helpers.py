@@ -202,3 +202,21 @@ def wrapping_mask_case(device):
     keys = torch.arange(40)
     kept = ((keys * c >= 0) & (-(keys * c) <= 0)) | ((keys + 2) ** 63 == 0)
     return variant, q, k, v, kept.to(device)
+
+
+def check_nan_key_rows(device, layouts, head_dim=64, dtype=torch.float16):
+    """A NaN in one key of kv head 0 makes out and lse NaN on exactly the rows that see that
+    key (causal, bottom-right aligned: query i sees keys j <= kv_len - q_len + i) and leaves the
+    others finite. The kernels stored lse -inf there ("no key"), so a merge of that row's states
+    dropped the NaN. layouts: (q_len, kv_len, NaN key) per call."""
+    variant = ja.Variant("causal", mask="causal")
+    for q_len, kv_len, bad in layouts:
+        q, k, v, _, _ = make_batch([q_len], [kv_len], 4, 2, head_dim, dtype, device, seed=q_len)
+        k[bad, 0] = float("nan")
+        out, lse = ja.attention(q, k, v, variant, return_lse=True)
+        sees = torch.arange(q_len, device=device) + kv_len - q_len >= bad
+        expected = torch.zeros(q_len, 4, dtype=torch.bool, device=device)
+        expected[:, :2] = sees[:, None]  # (kv head 0 serves q heads 0 and 1)
+        assert torch.equal(lse.isnan(), expected), (q_len, kv_len, bad)
+        assert torch.equal(out.isnan().all(-1), expected) and \
+            not out.isnan().any(-1)[~expected].any(), (q_len, kv_len, bad)

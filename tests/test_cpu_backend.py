@@ -9,7 +9,7 @@ import torch
 import jitattn as ja
 from jitattn import catalog
 
-from helpers import check, every_feature_variant, make_batch
+from helpers import check, check_nan_key_rows, every_feature_variant, make_batch
 
 BUILTIN = catalog.builtin()
 HEADS = [(4, 4), (8, 2), (7, 1)]  # GQA group sizes 1, 4, 7
@@ -114,6 +114,20 @@ def test_a_nan_score_makes_its_row_nan_in_the_kernel_and_the_reference():
     for out in (ja.attention(q, k, v, variant), reference.attention(q, k, v, variant)):
         nan = out.isnan()
         assert torch.equal(nan.all(-1), negative) and not nan.any(-1)[~negative].any()
+
+def test_a_nan_key_makes_out_and_lse_nan_on_the_rows_that_see_it():
+    check_nan_key_rows("cpu", [(7, 20, 5), (1, 40, 39), (30, 30, 0)])
+    # the cascade strategy merged such a row's shared-level state (lse -inf: "empty") away
+    q, k, v = (torch.randn(10, h, 64).half() for h in (4, 2, 2))
+    k[2, 0] = float("nan")
+    outs = {}
+    for strategy in ("naive", "ragged", "cascade"):
+        shared = ja.SharedPrefixPrefill(ja.Variant("causal", mask="causal"), strategy,
+                                        device="cpu")
+        shared.plan(5, [2, 3], 4, 2, 64)
+        outs[strategy] = shared.run(q, k, v).isnan().any(-1)
+    assert outs["naive"][2:, :2].all() and torch.equal(outs["cascade"], outs["naive"])
+
 
 def test_strided_indptr_view_is_read_correctly():
     variant = ja.Variant("plain", mask="causal")

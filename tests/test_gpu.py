@@ -13,7 +13,8 @@ import torch
 import jitattn as ja
 from jitattn import catalog, env, reference
 
-from helpers import check, every_feature_variant, make_batch, wrapping_mask_case
+from helpers import (check, check_nan_key_rows, every_feature_variant, make_batch,
+                     wrapping_mask_case)
 
 pytestmark = pytest.mark.gpu
 
@@ -50,6 +51,13 @@ def test_builtin_variant_matches_reference(name, dtype, head_dim):
                 check(variant, params, q, k, v)
             else:
                 check(variant, params, q, k, v, qo, kv)
+
+
+def test_a_nan_key_makes_out_and_lse_nan_on_the_rows_that_see_it_gpu():
+    """The wgmma prefill (head_dim 128, fp16: 192-key tiles), the mma.sync prefill (64), and the
+    decode kernel with its warps splitting the keys (one query over 5000 keys)."""
+    for head_dim in (64, 128):
+        check_nan_key_rows("cuda", [(300, 500, 250), (45, 30, 0), (1, 5000, 4321)], head_dim)
 
 
 def test_custom_variant_with_every_feature_gpu():

@@ -833,7 +833,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
           // recomputed here rather than kept live across the loop (registers)
           const RowInfo r = row_info(req, w.hk, g, w.row0 + local);
           const float lr = l[mt][h];
-          const bool any = lr > 0.f;
+          const bool any = lr != 0.f;  // (NaN: a NaN score; the row and its lse are NaN)
           const float inv = Variant::SIGMOID ? 1.f : (any ? 1.f / lr : 0.f);
           if (staged) {  // rows past the request too (never stored)
 #pragma unroll
@@ -913,7 +913,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
           acc.x += src[col] * scale;
           acc.y += src[col + 1] * scale;
         }
-        const bool any = total > 0.f;
+        const bool any = total != 0.f;  // (NaN: a NaN score; the row and its lse are NaN)
         const float inv = Variant::SIGMOID ? 1.f : (any ? 1.f / total : 0.f);
         store(local, r, col, make_float2(acc.x * inv, acc.y * inv));
         if (col == 0)
