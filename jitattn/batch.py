@@ -338,7 +338,10 @@ class BatchPrefill:
         pl, plan, ws = self._planned, self._plan, self._ws
         bound = self.variant.bind(params, device=q.device, sizes=pl["sizes"])
         shape = (pl["total_q"], pl["num_qo_heads"], pl["head_dim"])
-        out = launch.output_buffer("out", out, shape, q.dtype, q.device)
+        # a caller's out inside q would be written while other rows still read q (out one row
+        # past q gave wrong rows): refused (the caches are not checked, for host time)
+        out = launch.output_buffer("out", out, shape, q.dtype, q.device,
+                                   apart_from=None if out is None else {"q": q})
         if lse is not None or return_lse:  # (else the kernels store no lse: one allocation less)
             lse = launch.output_buffer("lse", lse, shape[:2], torch.float32, q.device, align=4,
                                        apart_from={"out": out})

@@ -118,12 +118,15 @@ def output_buffer(name, t, shape, dtype, device, align: int = 16, apart_from=Non
     check_output(name, t, shape, dtype, device)
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
-    if t.data_ptr() % align:
-        raise ValueError(f"{name} starts at address {t.data_ptr():#x}, not {align}-byte "
-                         f"aligned; expected a tensor from torch.empty or a view at a "
-                         f"{align}-byte offset")
-    a0, a1 = _span(t) if apart_from else (0, 0)
-    for other_name, other in (apart_from or {}).items():
+    a0 = t.data_ptr()
+    if a0 % align:
+        raise ValueError(f"{name} starts at address {a0:#x}, not {align}-byte aligned; "
+                         f"expected a tensor from torch.empty or a view at a {align}-byte "
+                         f"offset")
+    if not apart_from:
+        return t
+    a1 = a0 + t.nbytes  # (contiguous: _span's first case)
+    for other_name, other in apart_from.items():
         b0, b1 = _span(other)
         if a0 < b1 and b0 < a1 and other.device == t.device:
             raise ValueError(f"{name} shares memory with {other_name} (bytes {a0:#x} + "

@@ -217,6 +217,21 @@ def test_an_out_sharing_memory_with_the_inputs_is_refused():
     assert ja.attention(q, k, v, V, out=out).data_ptr() == out.data_ptr()
 
 
+def test_a_planned_runs_out_inside_q_is_refused():
+    """BatchPrefill / BatchDecode.run wrote out one row past q (one buffer) while other rows
+    still read q: wrong rows."""
+    i32 = dict(dtype=torch.int32)
+    dec = ja.BatchDecode(V, page_size=4, device="cpu")
+    dec.plan(torch.tensor([0, 1, 2], **i32), torch.tensor([0, 1], **i32),
+             torch.tensor([4, 3], **i32), 4, 2, 32)
+    cache = tuple(torch.randn(2, 4, 2, 32).half() for _ in range(2))
+    buf = torch.randn(3, 4, 32).half()
+    with pytest.raises(ValueError, match=r"out shares memory with q \(bytes 0x"):
+        dec.run(buf[:2], cache, out=buf[1:])
+    out = torch.empty(2, 4, 32).half()
+    assert dec.run(buf[:2], cache, out=out).data_ptr() == out.data_ptr()
+
+
 def test_a_misspelt_keyword_is_named():
     """A misspelt keyword of the call lands among the variant's parameters: say which."""
     q, k = torch.randn(2, 4, 64).half(), torch.randn(3, 2, 64).half()
