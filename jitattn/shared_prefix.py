@@ -45,6 +45,7 @@ from .args import bool_arg, int_arg
 from .batch import CAPACITY_MINIMUMS, CAPACITY_NAMES, BatchPrefill, reject_run_kwargs, \
     resolve_device
 from .merge import merge_state_in_place
+from .plan import check_seq_lens
 from .prefix import multi_item_metadata
 from .render import QUERY_TILES, tiles_for
 from .spec import Variant
@@ -190,23 +191,35 @@ class SharedPrefixPrefill:
         return next((s for s in exact if self._fits(s, prefix_len, suffix_lens)), exact[0])
 
     def _fits(self, strategy: str, prefix_len: int, suffix_lens) -> bool:
-        """Whether ``strategy``'s plans fit the capacities given to the constructor (or
-        BatchPrefill's defaults) that plan() can foresee: requests per launch (split's second
-        launch counts an empty request that owns the rows before its suffixes), naive's
-        one-token pages, the dense mask of custom_mask, the item positions of multi_item.
-        (Work items and partial rows depend on the schedule; plan() checks them.)"""
+        return self._over_capacity(strategy, prefix_len, suffix_lens) is None
+
+    def _over_capacity(self, strategy: str, prefix_len: int, suffix_lens) -> str | None:
+        """Which capacity given to the constructor (or BatchPrefill's defaults) ``strategy``'s
+        plans exceed, as the wrappers' plan() would say it, or None; those plan() can foresee:
+        requests per launch (split's second launch counts an empty request that owns the rows
+        before its suffixes), naive's one-token pages, the dense mask of custom_mask, the item
+        positions of multi_item. (Work items and partial rows depend on the schedule; the
+        wrappers' plan() checks them.)"""
         def cap(name):
             return self._capacities.get(name, _CAPACITY_DEFAULTS[name])
         m, p, suffixes = len(suffix_lens), prefix_len, sum(suffix_lens)
         batch, pages = {"naive": (m, m * p + suffixes), "ragged": (m, 0), "split": (m, 0),
                         "cascade": (m, 0)}.get(strategy, (1, 0))
-        if batch > cap("max_batch_size") or pages > cap("max_num_pages"):
-            return False
-        if strategy == "custom_mask":
-            return -(-(p + suffixes) ** 2 // 8) <= cap("max_mask_bytes")
-        if strategy == "multi_item":
-            return suffixes <= cap("max_item_tokens")
-        return True
+        mask_bytes = -(-(p + suffixes) ** 2 // 8)
+        for over, what in (
+                (batch > cap("max_batch_size"),
+                 f"batch of {batch} requests exceeds max_batch_size={cap('max_batch_size')}"),
+                (pages > cap("max_num_pages"),
+                 f"the batch uses {pages} pages, more than max_num_pages="
+                 f"{cap('max_num_pages')}"),
+                (strategy == "custom_mask" and mask_bytes > cap("max_mask_bytes"),
+                 f"the custom mask has {mask_bytes} bytes, more than max_mask_bytes="
+                 f"{cap('max_mask_bytes')}"),
+                (strategy == "multi_item" and suffixes > cap("max_item_tokens"),
+                 f"{suffixes} item tokens exceed max_item_tokens={cap('max_item_tokens')}")):
+            if over:
+                return f"{what} given to the constructor"
+        return None
 
     def plan(self, prefix_len: int, suffix_lens, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, *, q_dtype=torch.float16, sm_scale: float | None = None) -> str:
@@ -235,6 +248,13 @@ class SharedPrefixPrefill:
         strategy = self.choose(prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim) \
             if self.strategy == "auto" else self.strategy
         p, s = prefix_len, suffix_lens
+        # before any per-token array is built (P = 2**30 allocated 8 GiB before the length
+        # check, custom_mask a dense (P + S)**2 mask before the max_mask_bytes check)
+        longest = p + sum(s) if strategy in ("multi_item", "custom_mask") else p + max(s)
+        check_seq_lens(longest, longest)
+        over = self._over_capacity(strategy, p, s)
+        if over is not None:
+            raise ValueError(f"strategy {strategy!r}: {over}")
         starts = p + np.concatenate([[0], np.cumsum(s)[:-1]])   # suffix i's first token
         heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      q_dtype=q_dtype, sm_scale=sm_scale)
@@ -359,8 +379,8 @@ class SharedPrefixPrefill:
         # (contiguous, as q may not be)
         given = out = launch.output_buffer("out", out, q.shape, q.dtype, q.device)
         if caller_out and any(given.untyped_storage().data_ptr() ==
-                              t.untyped_storage().data_ptr() for t in (k, v)):
-            out = torch.empty_like(given)  # (the strategies read k / v while they write out)
+                              t.untyped_storage().data_ptr() for t in (q, k, v)):
+            out = torch.empty_like(given)  # (the strategies read q / k / v while they write out)
         if lse is not None or return_lse:
             lse = launch.output_buffer("lse", lse, q.shape[:2], torch.float32, q.device, align=4,
                                        apart_from={"out": given, "q": q, "k": k, "v": v})

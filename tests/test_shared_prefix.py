@@ -72,6 +72,20 @@ def test_out_may_be_k_or_v(strategy):
         torch.testing.assert_close(kv[which], want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_out_may_overlap_q(strategy):
+    """An out one row past q in the same buffer is computed apart and copied, as one in k or v
+    is (every strategy but naive returned wrong rows)."""
+    q, k, v = _layout(40, [20, 30], 4, 2, 64, torch.float16, seed=3)
+    sp = SharedPrefixPrefill(ja.Variant("causal"), strategy, device="cpu")
+    sp.plan(40, [20, 30], 4, 2, 64)
+    want = sp.run(q, k, v)
+    buf = torch.empty(q.shape[0] + 1, *q.shape[1:], dtype=q.dtype)
+    buf[:-1] = q
+    assert sp.run(buf[:-1], k, v, out=buf[1:]).data_ptr() == buf[1:].data_ptr()
+    torch.testing.assert_close(buf[1:], want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("strategy", ["naive", "split", "ragged"])
 def test_position_dependent_variants_on_exact_strategies(strategy):
     slopes = ja.alibi_slopes(8)
@@ -202,3 +216,26 @@ def test_sm_scale_reaches_every_strategy(strategy):
     sp.plan(prefix, suffixes, 4, 2, 64, sm_scale=0.3)
     scaled = _per_request_reference(variant, q * 0.3 * 8, k, v, prefix, suffixes)  # 1/sqrt(64)
     torch.testing.assert_close(sp.run(q, k, v), scaled, **TOL[torch.float16])
+
+
+def test_oversized_plans_are_refused_before_their_arrays_are_built():
+    """P = 2**30 built 8 GiB of token ids before BatchPrefill's length check refused it, and
+    custom_mask a dense (P + S)**2 mask (3.35 GiB at P = 60000) before max_mask_bytes did;
+    both are now refused first (tracemalloc counts numpy's allocations)."""
+    import tracemalloc
+    causal = ja.Variant("causal")
+    for strategy, prefix_len, text in (
+            ("ragged", 2**30, r"a request has 1073741827 query tokens; expected fewer than"),
+            ("custom_mask", 60000, r"strategy 'custom_mask': the custom mask has 450090005 "
+                                   r"bytes, more than max_mask_bytes=16777216 given to the "
+                                   r"constructor"),
+            ("naive", 2**20, r"strategy 'naive': the batch uses 4194308 pages, more than "
+                             r"max_num_pages=")):
+        sp = SharedPrefixPrefill(causal, strategy, device="cpu")
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError, match=text):
+                sp.plan(prefix_len, [1, 2, 3] if strategy != "naive" else [1] * 4, 4, 2, 64)
+            assert tracemalloc.get_traced_memory()[1] < 1 << 24, strategy
+        finally:
+            tracemalloc.stop()
