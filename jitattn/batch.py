@@ -291,7 +291,7 @@ class BatchPrefill:
         q: [total_q, num_qo_heads, head_dim] (planned dtype). kv_cache: (k_cache, v_cache) with
         pages laid out as kv_layout, or one [num_pages, 2, ...] tensor, of the planned kv_dtype.
         out / lse: optional outputs [total_q, num_qo_heads, head_dim] / [total_q, num_qo_heads],
-            contiguous (out 16-byte aligned).
+            contiguous (out 16-byte aligned); out shares no memory with q or lse (ValueError).
         k_scale / v_scale: Python floats, the caches' dequantization scales (K = k_scale *
             k_cache, V = v_scale * v_cache; for fp8 caches quantized per tensor). k_scale is
             folded into the softmax scale, v_scale multiplies the output.
