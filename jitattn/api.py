@@ -51,10 +51,13 @@ def _check_qkv(q, k, v) -> None:
         raise ValueError(f"k/v head_dim is {k.shape[2]} but q's is {head_dim}")
     hq, hkv = q.shape[1], k.shape[1]
     if hkv == 0 or hq == 0 or hq % hkv != 0:
+        # (the layout hint only where transposed shapes would be valid: it misled otherwise)
+        swapped = k.shape[0] > 0 and q.shape[0] % k.shape[0] == 0
         raise ValueError(f"num_qo_heads (q.shape[1] = {hq}) must be a positive multiple of "
                          f"num_kv_heads (k.shape[1] = {hkv}); q, k, v are [tokens, heads, "
-                         f"head_dim] (got q {tuple(q.shape)}, k {tuple(k.shape)}: from "
-                         f"[heads, tokens, head_dim], .transpose(0, 1))")
+                         f"head_dim] (got q {tuple(q.shape)}, k {tuple(k.shape)}" +
+                         ("; if they are [heads, tokens, head_dim], .transpose(0, 1) them)"
+                          if swapped else ")"))
     for name, t in (("q", q), ("k", k), ("v", v)):
         # 16-byte vector loads: the last dim contiguous, row strides multiples of 8 elements
         s0, s1, s2 = t.stride()

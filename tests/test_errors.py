@@ -361,3 +361,12 @@ def test_tables_sized_by_an_empty_length_are_bound():
     assert out.shape == (0, 4, 64)
     with pytest.raises(ValueError, match=r"parameter 't' has shape \(1,\), expected \(0,\)"):
         ja.attention(q, no_keys, no_keys, variant, t=torch.ones(1), u=torch.ones(3))
+
+
+def test_the_transpose_hint_only_where_it_would_help():
+    q, k = torch.randn(5, 3, 64).half(), torch.randn(4, 2, 64).half()
+    with pytest.raises(ValueError, match=r"got q \(5, 3, 64\), k \(4, 2, 64\)\)$"):
+        ja.attention(q, k, k, V)
+    with pytest.raises(ValueError, match=r"if they are \[heads, tokens, head_dim\], "
+                                         r"\.transpose\(0, 1\) them"):
+        ja.attention(q[:4], k, k, V)
