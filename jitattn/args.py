@@ -4,6 +4,8 @@ each naming the argument and its value."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 
 import numpy as np
@@ -30,3 +32,41 @@ def bool_arg(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}={value!r}: expected True or False")
     return bool(value)
+
+
+# keywords of FlashInfer's plan() that are something else here (README, porting from FlashInfer)
+_FLASHINFER_PLAN = {
+    "causal": "the Variant's mask (Variant(..., mask='causal'), the default, or mask='none')",
+    "window_left": "the Variant's (Variant(..., window_left=W))",
+    "logits_soft_cap": "the Variant's score_mod (score_mod=ja.soft_cap(cap))",
+    "pos_encoding_mode": "the Variant's pos_encoding (pos_encoding=ja.RoPE(...))",
+    "rope_theta": "ja.RoPE(theta=)'s, the Variant's pos_encoding",
+    "rope_scale": "ja.RoPE(scaling={'type': 'linear', 'factor': f})'s",
+    "q_data_type": "q_dtype= here",
+    "kv_data_type": "kv_dtype= here",
+    "page_size": "the constructor's (BatchDecode(variant, page_size=16))",
+    "custom_mask": "BatchPrefill.plan()'s, with Variant(..., mask='custom')",
+}
+
+
+def flashinfer_hints(plan):
+    """``plan`` raising, for a keyword it does not take that FlashInfer's plan() does, a
+    TypeError that says where that setting lives here (Python's own error named only the
+    keyword). Other calls are plan's own."""
+    signature = inspect.signature(plan)
+
+    @functools.wraps(plan)
+    def checked(*args, **kwargs):
+        try:
+            return plan(*args, **kwargs)
+        except TypeError as e:
+            try:
+                signature.bind(*args, **kwargs)
+            except TypeError:
+                hints = [f"{name}= is {where}" for name, where in _FLASHINFER_PLAN.items()
+                         if name in kwargs and name not in signature.parameters]
+                if hints:
+                    raise TypeError(f"{e}: {'; '.join(hints)} (README: porting from "
+                                    f"FlashInfer)") from None
+            raise
+    return checked

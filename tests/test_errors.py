@@ -370,3 +370,23 @@ def test_the_transpose_hint_only_where_it_would_help():
     with pytest.raises(ValueError, match=r"if they are \[heads, tokens, head_dim\], "
                                          r"\.transpose\(0, 1\) them"):
         ja.attention(q[:4], k, k, V)
+
+
+def test_flashinfer_plan_keywords_say_where_they_live():
+    """FlashInfer's plan() keywords were bare "unexpected keyword argument" TypeErrors."""
+    i32 = dict(dtype=torch.int32)
+    dec = ja.BatchDecode(V, page_size=4, device="cpu")
+    args = (torch.tensor([0, 1], **i32), torch.tensor([0], **i32), torch.tensor([4], **i32), 4,
+            2, 32)
+    for keyword, where in (("logits_soft_cap", r"the Variant's score_mod \(score_mod=ja\.soft_cap"),
+                           ("q_data_type", "q_dtype= here"),
+                           ("page_size", r"the constructor's \(BatchDecode\(variant, page_size")):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}': "
+                                            f"{keyword}= is {where}"):
+            dec.plan(*args, **{keyword: 1})
+    prefill = ja.BatchPrefill(V, page_size=4, device="cpu")
+    with pytest.raises(TypeError, match=r"causal= is the Variant's mask"):
+        prefill.plan(torch.tensor([0, 1], **i32), *args, causal=True)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'bogus'$"):
+        dec.plan(*args, bogus=1)
+    assert dec.plan(*args) is not None  # (plan itself unchanged)
