@@ -80,6 +80,14 @@ def _meta(folder: Path) -> dict:
     return meta
 
 
+def recorded_sha256(folder: Path) -> str | None:
+    """The sha256 an entry's meta.json records (that of a binary load() verified), or None."""
+    try:
+        return _meta(folder)["sha256"]
+    except ValueError:
+        return None
+
+
 TUNE_DIR = "tune"  # the cache root's folder of `jitattn tune` tables (tune.py): not kernels, so
 #                    entries() does not list it and clear() keeps it (minutes of GPU to measure)
 

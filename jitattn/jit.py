@@ -17,7 +17,7 @@ import time
 from filelock import Timeout
 
 from . import __version__, build, env, load, render
-from .cache import Cache, fallback_root
+from .cache import Cache, fallback_root, recorded_sha256
 from .render import RenderedSource
 from .spec import Variant
 
@@ -85,32 +85,40 @@ def _held(lock, key: str):
 
 
 def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = None, *,
-                   rebuild: bool = False):
+                   reject: str | None = None):
     """Binary path for ``src``: from the cache, or built under the key's lock and published.
-    ``rebuild``: build and publish anew even if the cache holds an entry that passes its
-    checksum (one that did not load). When the key's lock file cannot be opened, the kernel
-    is built in a private temporary cache instead, with a warning. Returns (path, built:
-    bool)."""
+    ``reject``: the sha256 of an entry that passed its checksum but did not load: it is built
+    anew, unless another process did so while this one waited for the lock. When the key's
+    lock file cannot be opened (a folder in its place), the kernel is built in a private
+    temporary cache instead, with a warning. Returns (path, built: bool)."""
     cache = cache or Cache()
     key = cache_key(src, arch)
     binary = build.BINARY_NAME[src.lang]
-    path = None if rebuild else cache.load(key, binary)
+    path = _usable(cache.load(key, binary), reject)
     if path is not None:
         if env.debug_level() >= 1:
             _say(f"cache hit {key}")
         return path, False
     try:
         with _held(cache.lock(key), key):
-            return _build_locked(src, arch, cache, key, binary, rebuild)
+            return _build_locked(src, arch, cache, key, binary, reject)
     except _LockUnusable as e:
         private = Cache(fallback_root(str(e)))
-        return _build_locked(src, arch, private, key, binary, rebuild)
+        with _held(private.lock(key), key):  # (threads of this process build the key once)
+            return _build_locked(src, arch, private, key, binary, reject)
+
+
+def _usable(path, reject: str | None):
+    """A verified binary's path, unless it is the rejected one (its recorded sha256)."""
+    if path is None or reject is None:
+        return path
+    return None if recorded_sha256(path.parent) == reject else path
 
 
 def _build_locked(src: RenderedSource, arch: str | None, cache: Cache, key: str, binary: str,
-                  rebuild: bool):
-    """compile_cached's build, with the key's lock held (or in a private cache)."""
-    path = None if rebuild else cache.load(key, binary, quiet=True)  # built while we waited?
+                  reject: str | None):
+    """compile_cached's build, with the key's lock held."""
+    path = _usable(cache.load(key, binary, quiet=True), reject)  # built while we waited?
     if path is not None:
         return path, False
     if env.debug_level() >= 4:
@@ -165,20 +173,21 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
 def _built_and_loaded(src: RenderedSource, arch: str | None, loader):
     """loader(path) of compile_cached's binary. A cached binary that does not load is built
     once more: one that vanished between its checksum and the load (a ``jitattn cache clear``
-    beside this process), or one that passes its checksum but is not a loadable binary (an
-    empty file whose sha256 was written beside it). A fresh build that does not load
-    raises (unless it vanished too)."""
+    beside this process), or one that passes its checksum but is not a loadable binary
+    (load.BadBinary: an empty file whose sha256 was written beside it). Other errors (the
+    device's, the driver's) and a fresh build that does not load raise."""
     path, built = compile_cached(src, arch)
     try:
         return loader(path)
     except Exception as e:
         if not path.exists():  # removed: build it again
             return loader(compile_cached(src, arch)[0])
-        if built:
+        if built or not isinstance(e, load.BadBinary):
             raise
         log.warning("jitattn: cached %s passed its checksum but does not load (%s); "
                     "rebuilding", path, e)
-    return loader(compile_cached(src, arch, rebuild=True)[0])
+        reject = recorded_sha256(path.parent)
+    return loader(compile_cached(src, arch, reject=reject)[0])
 
 
 def clear_memo() -> None:

@@ -23,6 +23,17 @@ _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int, "i64": ctypes.c_longlong
            "f32": ctypes.c_float}
 
 
+class BadBinary(OSError):
+    """A kernel binary that does not load as one (not an image, for another GPU, without its
+    entry point): jit rebuilds a cached one. Errors of the device or the driver are not."""
+
+
+# cuModuleLoad's codes for a file that is not a usable image: INVALID_IMAGE, NO_BINARY_FOR_GPU,
+# INVALID_PTX, FILE_NOT_FOUND; cuModuleGetFunction's NOT_FOUND
+_BAD_IMAGE = (200, 209, 218, 301)
+_NOT_FOUND = (500,)
+
+
 class _ParamBuffer:
     """Kernel arguments packed in place for cuLaunchKernel: one buffer laid out with C
     alignment, and the array of pointers into it. Built once per argument signature, so a launch
@@ -84,12 +95,14 @@ class _Driver:
         # built once per launch shape)
         self._launch_raw = lib["cuLaunchKernel"]
 
-    def check(self, rc: int, what: str) -> None:
+    def check(self, rc: int, what: str, bad_binary: tuple = ()) -> None:
+        """RuntimeError for a failed driver call; BadBinary for the codes in ``bad_binary``."""
         if rc != 0:
             msg = ctypes.c_char_p()
             self.lib.cuGetErrorString(rc, ctypes.byref(msg))
-            raise RuntimeError(f"{what} failed: CUDA error {rc} "
-                               f"({(msg.value or b'unknown').decode()})")
+            error = BadBinary if rc in bad_binary else RuntimeError
+            raise error(f"{what} failed: CUDA error {rc} "
+                        f"({(msg.value or b'unknown').decode()})")
 
     def primary_context(self, device_index: int) -> int:
         ctx = self.contexts.get(device_index)
@@ -229,9 +242,10 @@ def load_cuda(path: Path, src: RenderedSource, device_index: int) -> CudaKernel:
 
     def load():
         drv.check(drv.lib.cuModuleLoad(ctypes.byref(module), str(path).encode()),
-                  f"cuModuleLoad({path})")
+                  f"cuModuleLoad({path})", bad_binary=_BAD_IMAGE)
         drv.check(drv.lib.cuModuleGetFunction(ctypes.byref(function), module,
-                                              src.entries[0].encode()), "cuModuleGetFunction")
+                                              src.entries[0].encode()), "cuModuleGetFunction",
+                  bad_binary=_NOT_FOUND)
         if smem > 48 * 1024:
             drv.check(drv.lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED, smem),
                       f"cuFuncSetAttribute(max dynamic shared memory = {smem} B)")
@@ -251,10 +265,18 @@ def tensor_map(data_type: int, address: int, dims: tuple, strides: tuple,
 
 
 def load_cpu(path: Path, src: RenderedSource) -> CpuKernel:
-    library = ctypes.CDLL(str(path))
+    """The CPU backend's library at ``path``; BadBinary when it is not a loadable library
+    with the source's entry points."""
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise BadBinary(str(e)) from None
     entries = {}
     for name in src.entries:
-        fn = getattr(library, name)
+        try:
+            fn = getattr(library, name)
+        except AttributeError as e:
+            raise BadBinary(str(e)) from None
         fn.restype = ctypes.c_int
         entries[name] = fn
     return CpuKernel(library, entries)

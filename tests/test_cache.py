@@ -7,6 +7,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -354,11 +355,49 @@ def test_a_binary_that_passes_its_checksum_but_does_not_load_is_rebuilt(fresh_ca
     assert path.stat().st_size > 0 and not jit.compile_cached(_src(), None)[1]
 
 
-def test_a_fresh_build_that_does_not_load_raises(fresh_cache):
-    def loader(path):
-        raise OSError("invalid ELF header")
-    with pytest.raises(OSError, match="invalid ELF header"):
-        jit._built_and_loaded(_src(), None, loader)
+def test_only_a_bad_binary_is_rebuilt_and_only_once(fresh_cache):
+    """A device's or driver's error while loading a good entry (a sticky CUDA error, out of
+    memory) raises without rebuilding it; a fresh build that does not load raises; a rebuild
+    asked for an entry another process has rebuilt meanwhile (another sha256) takes that one."""
+    from jitattn import load
+
+    def device_error(path):
+        raise RuntimeError("cuModuleLoad failed: CUDA error 700 (an illegal memory access)")
+    path, _ = jit.compile_cached(_src(), None)
+    before = (path.parent / "meta.json").read_text()
+    with pytest.raises(RuntimeError, match="CUDA error 700"):
+        jit._built_and_loaded(_src(), None, device_error)
+    assert (path.parent / "meta.json").read_text() == before  # not rebuilt
+
+    def bad_binary(path):
+        raise load.BadBinary("invalid ELF header")
+    Cache().remove(jit.cache_key(_src(), None))
+    with pytest.raises(load.BadBinary, match="invalid ELF header"):  # (a fresh build)
+        jit._built_and_loaded(_src(), None, bad_binary)
+    good = json.loads((path.parent / "meta.json").read_text())["sha256"]
+    assert jit.compile_cached(_src(), None, reject="0" * 64) == (path, False)
+    assert jit.compile_cached(_src(), None, reject=good)[1]  # that very entry: built anew
+
+
+def test_threads_building_one_key_beside_an_unusable_lock(fresh_cache):
+    """The private fallback built without a lock: threads of one process building the key
+    removed each other's staging folders."""
+    key = jit.cache_key(_src(), None)
+    fresh_cache.mkdir(mode=0o700)
+    (fresh_cache / f"{key}.lock").mkdir()
+    results = []
+
+    def build():
+        try:
+            results.append(jit.compile_cached(_src(), None)[0].is_file())
+        except Exception as e:  # noqa: BLE001 -- the failure is the result
+            results.append(e)
+    threads = [threading.Thread(target=build) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 4
 
 
 def test_a_folder_in_place_of_a_lock_builds_privately_and_clear_leaves_it(fresh_cache, caplog,
