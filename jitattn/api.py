@@ -52,7 +52,7 @@ def _check_qkv(q, k, v) -> None:
     hq, hkv = q.shape[1], k.shape[1]
     if hkv == 0 or hq == 0 or hq % hkv != 0:
         # (the layout hint only where transposed shapes would be valid: it misled otherwise)
-        swapped = k.shape[0] > 0 and q.shape[0] % k.shape[0] == 0
+        swapped = q.shape[0] > 0 and k.shape[0] > 0 and q.shape[0] % k.shape[0] == 0
         raise ValueError(f"num_qo_heads (q.shape[1] = {hq}) must be a positive multiple of "
                          f"num_kv_heads (k.shape[1] = {hkv}); q, k, v are [tokens, heads, "
                          f"head_dim] (got q {tuple(q.shape)}, k {tuple(k.shape)}" +
@@ -105,8 +105,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
         tensors to avoid a device sync.
     sm_scale: > 0, multiplies q.k before score_mod; default 1 / sqrt(head_dim).
     out, lse: optional preallocated outputs (contiguous, shapes and dtypes as returned below;
-        out 16-byte aligned, sharing no memory with q, k, v or each other); every element is
-        written.
+        out 16-byte aligned, sharing no memory with k, v or each other, and none with q
+        unless it is q itself: in place); every element is written.
     params: the variant's runtime parameters by name (``variant.runtime_param_names``).
     Returns out [total_q, num_qo_heads, head_dim] (q's dtype), and with return_lse also lse
     [total_q, num_qo_heads] float32, natural log; rows that see no key give out 0, lse -inf.
@@ -160,10 +160,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     bound = variant.bind(params, device=q.device, sizes=sizes)
     sm_scale = launch.resolve_sm_scale(sm_scale, head_dim)
 
-    # a caller's out sharing memory with k or v (or q) would be written while other rows'
-    # products still read it: refused, as for lse
+    # a caller's out sharing memory with k or v, or partly with q, would be written while
+    # other rows' products still read it: refused, as for lse (out=q itself is in place)
     out = launch.output_buffer("out", out, (total_q, hq, head_dim), q.dtype, q.device,
-                               apart_from={"q": q, "k": k, "v": v} if out is not None else None)
+                               apart_from=None if out is None else {
+                                   "k": k, "v": v, **({} if launch.same_view(out, q) else
+                                                      {"q": q})})
     if lse is not None or return_lse:  # (else the kernels store no lse: one allocation less)
         lse = launch.output_buffer("lse", lse, (total_q, hq), torch.float32, q.device, align=4,
                                    apart_from={"out": out, "q": q, "k": k, "v": v})

@@ -292,7 +292,8 @@ class BatchPrefill:
         q: [total_q, num_qo_heads, head_dim] (planned dtype). kv_cache: (k_cache, v_cache) with
         pages laid out as kv_layout, or one [num_pages, 2, ...] tensor, of the planned kv_dtype.
         out / lse: optional outputs [total_q, num_qo_heads, head_dim] / [total_q, num_qo_heads],
-            contiguous (out 16-byte aligned); out shares no memory with q or lse (ValueError).
+            contiguous (out 16-byte aligned); out is q itself (in place) or shares no memory
+            with it, and none with lse (ValueError).
         k_scale / v_scale: Python floats, the caches' dequantization scales (K = k_scale *
             k_cache, V = v_scale * v_cache; for fp8 caches quantized per tensor). k_scale is
             folded into the softmax scale, v_scale multiplies the output.
@@ -339,10 +340,11 @@ class BatchPrefill:
         pl, plan, ws = self._planned, self._plan, self._ws
         bound = self.variant.bind(params, device=q.device, sizes=pl["sizes"])
         shape = (pl["total_q"], pl["num_qo_heads"], pl["head_dim"])
-        # a caller's out inside q would be written while other rows still read q (out one row
-        # past q gave wrong rows): refused (the caches are not checked, for host time)
-        out = launch.output_buffer("out", out, shape, q.dtype, q.device,
-                                   apart_from=None if out is None else {"q": q})
+        # a caller's out partly inside q would be written while other rows still read q (out
+        # one row past q gave wrong rows): refused; out=q itself is in place, which the kernels
+        # allow (the caches are not checked, for host time)
+        out = launch.output_buffer("out", out, shape, q.dtype, q.device, apart_from=None
+                                   if out is None or launch.same_view(out, q) else {"q": q})
         if lse is not None or return_lse:  # (else the kernels store no lse: one allocation less)
             lse = launch.output_buffer("lse", lse, shape[:2], torch.float32, q.device, align=4,
                                        apart_from={"out": out})

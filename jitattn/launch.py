@@ -107,6 +107,13 @@ def _span(t) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are the same elements in the same layout (out=q: in place, which
+    the kernels allow for q, each row being read before its output is written)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() \
+        and a.dtype == b.dtype and a.device == b.device
+
+
 def output_buffer(name, t, shape, dtype, device, align: int = 16, apart_from=None):
     """A new output tensor, or the caller's after checking it fits: the shape, dtype and
     device, contiguous, its start a multiple of ``align`` bytes (out: 16, the kernels store
@@ -198,13 +205,20 @@ def _fill_args(fixed, q, k, v, out, lse, ks, vs, sm_scale, variant, bound) -> li
     scale, the variant's parameters. Raises ValueError for q / K / V strides the kernels
     cannot address."""
     qs0, qs1, _ = q.stride()
-    if max(ks + vs + (qs1, (fixed[1][1] - 1) * max(ks[1], vs[1]))) >= 1 << 31:
-        # both backends take q's head stride and the K/V slot and head strides as int32 (the
-        # CPU kernel's ctypes wrapped them: another head's keys were read); the CUDA kernels
-        # compute these offsets in int32 (the page term in int64)
-        raise ValueError(f"q's head stride {qs1}, the K/V strides {ks} / {vs} (page, slot, "
-                         f"head) and (page_size - 1) x slot stride must be below 2**31 "
-                         f"elements")
+    # both backends take q's head stride and the K/V slot and head strides as int32 (the CPU
+    # kernel's ctypes wrapped them: another head's keys were read), the CUDA kernels the page
+    # (ragged: token) stride and (page_size - 1) x the slot stride too
+    if qs1 >= 1 << 31 or max(ks + vs) * fixed[1][1] >= 1 << 31:  # (bounds every term: host time)
+        named = {"q's head stride": qs1, "K's slot stride": ks[1], "K's head stride": ks[2],
+                 "V's slot stride": vs[1], "V's head stride": vs[2],
+                 "(page_size - 1) x the slot stride": (fixed[1][1] - 1) * max(ks[1], vs[1])}
+        if q.is_cuda:
+            named.update({"K's page (ragged: token) stride": ks[0],
+                          "V's page (ragged: token) stride": vs[0]})
+        over = [(n, x) for n, x in named.items() if x >= 1 << 31]
+        if over:
+            raise ValueError(f"{over[0][0]} is {over[0][1]} elements; the kernels address it "
+                             f"in int32: expected below 2**31")
     values = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), _ptr(lse), *fixed[0],
               qs0, qs1, *fixed[1], *ks, *vs, sm_scale]
     for p in variant.params:

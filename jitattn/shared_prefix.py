@@ -378,9 +378,14 @@ class SharedPrefixPrefill:
         caller_out = out is not None
         # (contiguous, as q may not be)
         given = out = launch.output_buffer("out", out, q.shape, q.dtype, q.device)
-        if caller_out and any(given.untyped_storage().data_ptr() ==
-                              t.untyped_storage().data_ptr() for t in (q, k, v)):
-            out = torch.empty_like(given)  # (the strategies read q / k / v while they write out)
+        # the strategies read q / k / v while they write out: an out in k or v, or partly in
+        # q, is computed apart and copied (out=q itself is in place: each launch reads a row
+        # before it writes it, and the cascade runs its unique level last)
+        if caller_out and (any(given.untyped_storage().data_ptr() ==
+                               t.untyped_storage().data_ptr() for t in (k, v)) or
+                           (given.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+                            and not launch.same_view(given, q))):
+            out = torch.empty_like(given)
         if lse is not None or return_lse:
             lse = launch.output_buffer("lse", lse, q.shape[:2], torch.float32, q.device, align=4,
                                        apart_from={"out": given, "q": q, "k": k, "v": v})

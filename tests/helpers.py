@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -208,15 +209,51 @@ def check_nan_key_rows(device, layouts, head_dim=64, dtype=torch.float16):
     """A NaN in one key of kv head 0 makes out and lse NaN on exactly the rows that see that
     key (causal, bottom-right aligned: query i sees keys j <= kv_len - q_len + i) and leaves the
     others finite. The kernels stored lse -inf there ("no key"), so a merge of that row's states
-    dropped the NaN. layouts: (q_len, kv_len, NaN key) per call."""
-    variant = ja.Variant("causal", mask="causal")
-    for q_len, kv_len, bad in layouts:
+    dropped the NaN. Softmax and sigmoid, kernels and reference. layouts: (q_len, kv_len, NaN
+    key) per call."""
+    variants = (ja.Variant("causal", mask="causal"),
+                ja.Variant("sigmoid", mask="causal", reduction="sigmoid"))
+    for (q_len, kv_len, bad), variant in itertools.product(layouts, variants):
         q, k, v, _, _ = make_batch([q_len], [kv_len], 4, 2, head_dim, dtype, device, seed=q_len)
         k[bad, 0] = float("nan")
-        out, lse = ja.attention(q, k, v, variant, return_lse=True)
-        sees = torch.arange(q_len, device=device) + kv_len - q_len >= bad
-        expected = torch.zeros(q_len, 4, dtype=torch.bool, device=device)
-        expected[:, :2] = sees[:, None]  # (kv head 0 serves q heads 0 and 1)
-        assert torch.equal(lse.isnan(), expected), (q_len, kv_len, bad)
-        assert torch.equal(out.isnan().all(-1), expected) and \
-            not out.isnan().any(-1)[~expected].any(), (q_len, kv_len, bad)
+        for out, lse in (ja.attention(q, k, v, variant, return_lse=True),
+                         reference.attention(q, k, v, variant, return_lse=True)):
+            _check_nan_rows(out, lse, q_len, kv_len, bad, device)
+
+
+def _check_nan_rows(out, lse, q_len, kv_len, bad, device):
+    sees = torch.arange(q_len, device=device) + kv_len - q_len >= bad
+    expected = torch.zeros(q_len, 4, dtype=torch.bool, device=device)
+    expected[:, :2] = sees[:, None]  # (kv head 0 serves q heads 0 and 1)
+    assert torch.equal(lse.isnan(), expected), (q_len, kv_len, bad)
+    assert torch.equal(out.isnan().all(-1), expected) and \
+        not out.isnan().any(-1)[~expected].any(), (q_len, kv_len, bad)
+
+
+def check_out_is_q(device):
+    """out=q itself (in place) equals a separate out, bit for bit, for ja.attention, the
+    planned prefill (its 128-row tiles, split-KV over 3000 keys) and decode, and every
+    shared-prefix strategy: each launch reads a row of q before it writes that row's output
+    and no other item reads it (split rows go through partial states)."""
+    from jitattn.shared_prefix import STRATEGIES
+    i32 = dict(dtype=torch.int32, device=device)
+    causal = ja.Variant("causal", mask="causal")
+    q, k, v, qo, kv = make_batch([300, 1, 77], [3000, 40, 77], 8, 2, 128, torch.float16,
+                                 device, seed=11)
+    runs = {"attention": lambda x, out=None: ja.attention(x, k, v, causal, qo_indptr=qo,
+                                                          kv_indptr=kv, out=out)}
+    prefill = ja.BatchPrefill(causal, kv_layout="ragged", device=device)
+    prefill.plan(qo.to(**i32), kv.to(**i32), None, None, 8, 2, 128)
+    runs["BatchPrefill"] = lambda x, out=None: prefill.run(x, (k, v), out=out)
+    decode = ja.BatchDecode(causal, kv_layout="ragged", device=device)
+    decode.plan(torch.tensor([0, 3000, 3040], **i32), None, None, 8, 2, 128)
+    runs["BatchDecode"] = lambda x, out=None: decode.run(x[:2], (k, v), out=out)
+    for strategy in STRATEGIES:
+        sp = ja.SharedPrefixPrefill(causal, strategy, device=device)
+        sp.plan(200, [100, 78], 8, 2, 128)
+        runs[strategy] = lambda x, out=None, sp=sp: sp.run(x, k[:378], v[:378], out=out)
+    for name, run in runs.items():
+        x = q[:2].clone() if name == "BatchDecode" else q.clone()
+        want = run(x)
+        assert run(x, out=x).data_ptr() == x.data_ptr(), name
+        torch.testing.assert_close(x, want, rtol=0, atol=0, msg=name)

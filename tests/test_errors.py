@@ -9,6 +9,8 @@ import torch
 
 import jitattn as ja
 
+from helpers import check_out_is_q
+
 V = ja.Variant("plain")
 f16 = torch.float16
 
@@ -210,9 +212,12 @@ def test_an_out_sharing_memory_with_the_inputs_is_refused():
     """ja.attention's out was not checked against q, k and v (only lse was): out=k was written
     while other rows' products still read k."""
     q, k, v = (torch.randn(12, 4, 32).half() for _ in range(3))
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in (("k", k), ("v", v)):
         with pytest.raises(ValueError, match=f"out shares memory with {name} \\(bytes 0x"):
             ja.attention(q, k, v, V, out=t)
+    buf = torch.cat([q, q[:1]])
+    with pytest.raises(ValueError, match=r"out shares memory with q \(bytes 0x"):
+        ja.attention(buf[:-1], k, v, V, out=buf[1:])  # partly: refused
     out = torch.empty_like(q)
     assert ja.attention(q, k, v, V, out=out).data_ptr() == out.data_ptr()
 
@@ -230,6 +235,10 @@ def test_a_planned_runs_out_inside_q_is_refused():
         dec.run(buf[:2], cache, out=buf[1:])
     out = torch.empty(2, 4, 32).half()
     assert dec.run(buf[:2], cache, out=out).data_ptr() == out.data_ptr()
+
+
+def test_out_may_be_q_itself():
+    check_out_is_q("cpu")
 
 
 def test_a_misspelt_keyword_is_named():
@@ -322,11 +331,11 @@ def test_strides_beyond_int32_are_refused_on_the_cpu_too():
     v = torch.randn(n, 2, d).half()
     dec = ja.BatchDecode(ja.Variant("c", mask="causal"), kv_layout="ragged", device="cpu")
     dec.plan(torch.tensor([0, n], dtype=torch.int32), None, None, 2, 2, d)
-    with pytest.raises(ValueError, match=r"K/V strides \(64, 0, 4294967360\) / .* must be "
-                                         r"below 2\*\*31 elements"):
+    with pytest.raises(ValueError, match=r"K's head stride is 4294967360 elements; the kernels "
+                                         r"address it in int32: expected below 2\*\*31"):
         dec.run(torch.randn(1, 2, d).half(), (wide, v))
     q = big[:2 * d].as_strided((1, 2, d), (2 * d, 2**32 + 64, 1))
-    with pytest.raises(ValueError, match=r"q's head stride 4294967360"):
+    with pytest.raises(ValueError, match=r"q's head stride is 4294967360 elements"):
         ja.attention(q, v[:1], v[:1], ja.Variant("c", mask="causal"))
     del wide, q, big
 
@@ -370,6 +379,8 @@ def test_the_transpose_hint_only_where_it_would_help():
     with pytest.raises(ValueError, match=r"if they are \[heads, tokens, head_dim\], "
                                          r"\.transpose\(0, 1\) them"):
         ja.attention(q[:4], k, k, V)
+    with pytest.raises(ValueError, match=r"got q \(0, 3, 64\), k \(4, 2, 64\)\)$"):
+        ja.attention(q[:0], k, k, V)
 
 
 def test_flashinfer_plan_keywords_say_where_they_live():
@@ -387,6 +398,8 @@ def test_flashinfer_plan_keywords_say_where_they_live():
     prefill = ja.BatchPrefill(V, page_size=4, device="cpu")
     with pytest.raises(TypeError, match=r"causal= is the Variant's mask"):
         prefill.plan(torch.tensor([0, 1], **i32), *args, causal=True)
+    with pytest.raises(TypeError, match=r"\(BatchPrefill\(variant, page_size=16\)\)"):
+        prefill.plan(torch.tensor([0, 1], **i32), *args, page_size=16)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'bogus'$"):
         dec.plan(*args, bogus=1)
     assert dec.plan(*args) is not None  # (plan itself unchanged)

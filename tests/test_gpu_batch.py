@@ -8,8 +8,9 @@ import torch
 import jitattn as ja
 from jitattn import catalog, launch, reference
 
-from helpers import (TOL, check, check_batch, check_linear_partition, check_shared_prefix_batch,
-                     compare, every_feature_variant, make_batch, make_paged, quantize_fp8)
+from helpers import (TOL, check, check_batch, check_linear_partition, check_out_is_q,
+                     check_shared_prefix_batch, compare, every_feature_variant, make_batch,
+                     make_paged, quantize_fp8)
 
 pytestmark = pytest.mark.gpu
 BUILTIN = catalog.builtin()
@@ -438,3 +439,7 @@ def test_cuda_graph_keeps_the_shared_prefix_build():
     _capture(lambda: plain.run(q, (k, v), out=out))
     with pytest.raises(ValueError, match="captured run\\(\\) with the kernel built without"):
         plain.plan(qo, kv, None, None, hq, hkv, d, **with_prefix)
+
+
+def test_out_may_be_q_itself_gpu():
+    check_out_is_q("cuda")
