@@ -44,7 +44,7 @@ _FLASHINFER_PLAN = {
     "rope_scale": "ja.RoPE(scaling={'type': 'linear', 'factor': f})'s",
     "q_data_type": "q_dtype= here",
     "kv_data_type": "kv_dtype= here",
-    "page_size": "the constructor's (BatchDecode(variant, page_size=16))",
+    "page_size": "the constructor's ({cls}(variant, page_size=16))",
     "custom_mask": "BatchPrefill.plan()'s, with Variant(..., mask='custom')",
 }
 
@@ -63,7 +63,9 @@ def flashinfer_hints(plan):
             try:
                 signature.bind(*args, **kwargs)
             except TypeError:
-                hints = [f"{name}= is {where}" for name, where in _FLASHINFER_PLAN.items()
+                cls = type(args[0]).__name__ if args else "BatchDecode"
+                hints = [f"{name}= is {where.format(cls=cls)}"
+                         for name, where in _FLASHINFER_PLAN.items()
                          if name in kwargs and name not in signature.parameters]
                 if hints:
                     raise TypeError(f"{e}: {'; '.join(hints)} (README: porting from "

@@ -11,8 +11,9 @@ Each node has a kind: ``"float"`` (computed in float32 by the kernels), ``"int"`
 ``"bool"``. Python floats become compile-time constants; :func:`scalar` and :func:`tensor` are
 runtime parameters; a torch tensor captured by closure and indexed by symbols becomes a runtime
 tensor parameter (FlexAttention style), bound at call time, its values never in the cache key.
-Tensor indices are clamped into range in every backend (dimensions of size 0 are rejected when
-binding), so a kernel never reads out of bounds.
+Tensor indices are clamped into range in every backend, so a kernel never reads out of bounds
+(a dimension of size 0 is rejected when binding, except where a size it is declared over is 0:
+then nothing is computed, and the kernels get a one-element stand-in).
 """
 
 from __future__ import annotations

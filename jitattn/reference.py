@@ -103,7 +103,8 @@ def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_s
         if variant.reduction == "sigmoid":
             p = torch.where(visible, torch.sigmoid(s), 0.0)
             o, total = torch.einsum("hqk,khd->qhd", p, vi), p.sum(-1).T
-            lse[qo[b]:qo[b + 1]] = torch.where(total > 0, total.log(), -math.inf)
+            # (a NaN total, from a NaN score, gives a NaN lse, as the kernels do)
+            lse[qo[b]:qo[b + 1]] = torch.where(total != 0, total.log(), -math.inf)
         else:
             visible &= s != -math.inf  # a score_mod may mask by returning -inf (NaN stays)
             s = torch.where(visible, s, -math.inf)

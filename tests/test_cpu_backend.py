@@ -126,7 +126,8 @@ def test_a_nan_key_makes_out_and_lse_nan_on_the_rows_that_see_it():
                                         device="cpu")
         shared.plan(5, [2, 3], 4, 2, 64)
         outs[strategy] = shared.run(q, k, v).isnan().any(-1)
-    assert outs["naive"][2:, :2].all() and torch.equal(outs["cascade"], outs["naive"])
+    assert outs["naive"][2:, :2].all() and torch.equal(outs["cascade"], outs["naive"]) and \
+        torch.equal(outs["ragged"], outs["naive"])
 
 
 def test_strided_indptr_view_is_read_correctly():

@@ -29,11 +29,17 @@ def test_tune_quick_prints_every_strategy_and_saves_nothing(fresh_tables, capsys
 
 
 @pytest.mark.parametrize("heads", [("0", "8"), ("-1", "1"), ("3", "2")])
-def test_tune_names_bad_heads(fresh_tables, capsys, heads):
+def test_tune_names_bad_heads(fresh_tables, capsys, monkeypatch, heads):
     """--heads 0 8 / -1 1 / 3 2 ended in tracebacks from deep inside the measurement."""
     assert cli.main(["tune", "--quick", "--cpu", "--heads", *heads]) == 2
     assert f"--heads {' '.join(heads)}: expected NUM_QO_HEADS and NUM_KV_HEADS >= 1" in \
         capsys.readouterr().err
+    from jitattn import bench  # measure() refuses them before it plans or times anything
+
+    def timed(*args, **kwargs):
+        raise AssertionError("timed before the head counts were checked")
+    monkeypatch.setattr(bench, "timed_rounds", timed)
+    monkeypatch.setattr(SharedPrefixPrefill, "plan", timed)
     with pytest.raises((TypeError, ValueError), match="num_"):
         tune.measure("cpu", quick=True, num_qo_heads=int(heads[0]), num_kv_heads=int(heads[1]))
 
