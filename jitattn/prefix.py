@@ -10,7 +10,7 @@ of requests, the longest block prefix they all share. See docs/sources.md, scena
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Set
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -216,6 +216,9 @@ def find_shared_prefixes(requests: Sequence[Sequence[int]], block_size: int,
     text, 2-D requests, ids beyond int64).
     """
     trie = PrefixTrie(block_size)
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
+        raise TypeError(f"requests={requests!r}: expected one sequence of token ids per "
+                        f"request")  # (None raised "'NoneType' object is not iterable")
     for i, tokens in enumerate(requests):
         trie.insert(_token_array(tokens, f"requests[{i}]")[:-1])  # the last is never shared
     return trie.groups(min_members)
@@ -228,6 +231,8 @@ def multi_item_metadata(prefix_len: int, item_lens: Sequence[int]):
     (96, [1, 2, 3, 4, 1, 2, 3, 4], 4). prefix_len: an int >= 0; item_lens: ints >= 1 (any
     iterable). Raises TypeError / ValueError naming the argument."""
     prefix_len = int_arg("prefix_len", prefix_len, minimum=0)
+    if isinstance(item_lens, (str, bytes)) or not isinstance(item_lens, Iterable):
+        raise TypeError(f"item_lens={item_lens!r}: expected a sequence of ints >= 1")
     item_lens = [int_arg(f"item_lens[{i}]", n) for i, n in enumerate(item_lens)]
     positions = [i + 1 for n in item_lens for i in range(n)]
     return prefix_len, positions, max(item_lens, default=0)

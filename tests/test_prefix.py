@@ -147,3 +147,8 @@ def test_token_ids_are_checked_not_truncated():
             find_shared_prefixes([same, same], block_size)
     with pytest.raises(ValueError, match="block_size=0: expected an int >= 1"):
         PrefixTrie(0)
+    for bad in (None, 5, "ab"):  # ("'NoneType' object is not iterable")
+        with pytest.raises(TypeError, match=f"requests={bad!r}: expected one sequence"):
+            find_shared_prefixes(bad, 16)
+        with pytest.raises(TypeError, match=f"item_lens={bad!r}: expected a sequence"):
+            multi_item_metadata(3, bad)
