@@ -172,3 +172,83 @@ def test_a_float32_model_gets_a_clear_error():
     q = torch.randn(1, 4, 5, 64)
     with pytest.raises(TypeError, match="float16 or bfloat16: load or cast the model"):
         jitattn_attention_forward(torch.nn.Module(), q, q, q, None)
+
+
+def _sdpa(q, k, v, mask=None, is_causal=False):
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, is_causal=is_causal, scale=0.125,
+        enable_gqa=True).transpose(1, 2)
+
+
+def test_a_static_cache_prefill_and_decode_match_sdpa():
+    """A static cache's keys span max_cache_len slots, the unused ones last: with a mask their
+    slots were taken for the queries' own tokens (every row 0), and without one (transformers
+    passes none for a prefill into an empty static cache, relying on SDPA's upper-left is_causal)
+    every slot was read."""
+    from jitattn.integrations.transformers import jitattn_attention_forward
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, n, 64, generator=gen).half() for h, n in ((4, 5), (2, 16),
+                                                                          (2, 16)))
+    module = torch.nn.Module()
+    module.is_causal, module.layer_idx = True, 0
+    with torch.inference_mode():
+        out, _ = jitattn_attention_forward(module, q, k, v, None, scaling=0.125)
+        want = _sdpa(q, k[:, :, :5], v[:, :, :5], is_causal=True)  # the cache's first 5 slots
+        torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
+        for q_len, first in ((5, 0), (1, 7)):  # a prefill, then a decode step at position 7
+            mask = (torch.arange(16)[None, :] <= torch.arange(first, first + q_len)[:, None])
+            out, _ = jitattn_attention_forward(module, q[:, :, :q_len], k, v, mask[None, None],
+                                               scaling=0.125)
+            want = _sdpa(q[:, :, :q_len], k, v, mask=mask[None, None])
+            torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_static_cache_generate_matches_sdpa():
+    register()
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    tokens = {}
+    with torch.inference_mode():
+        for impl in ("sdpa", "jitattn"):
+            model.set_attn_implementation(impl)
+            tokens[impl] = model.generate(ids, max_new_tokens=8, do_sample=False,
+                                          cache_implementation="static")[0, 12:].tolist()
+    assert tokens["jitattn"] == tokens["sdpa"]
+
+
+def test_a_mask_buffer_refilled_between_forwards_under_inference_mode():
+    """Inference tensors have no version counter: a mask buffer the caller refills in place
+    kept its old layout; layer 0 starts a new forward, so it is laid out again there."""
+    from jitattn.integrations.transformers import jitattn_attention_forward
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, h, 8, 64, generator=gen).half() for h in (4, 2, 2))
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    padded = causal[None, None].repeat(2, 1, 1, 1)
+    padded[1, 0, :, :3] = False  # request 1: 3 tokens of left padding
+    padded[1, 0, :3, :] = False
+    module = torch.nn.Module()
+    module.is_causal, module.layer_idx = True, 0
+    with torch.inference_mode():
+        buffer = causal[None, None].repeat(2, 1, 1, 1)
+        jitattn_attention_forward(module, q, k, v, buffer, scaling=0.125)
+        buffer.copy_(padded)
+        out, _ = jitattn_attention_forward(module, q, k, v, buffer, scaling=0.125)
+    torch.testing.assert_close(out[1, 3:].float(), _sdpa(q, k, v, mask=padded)[1, 3:],
+                               atol=2e-3, rtol=2e-3)
+
+
+def test_a_model_compiles_fullgraph_after_an_eager_call():
+    """variant_for was an lru_cache, which dynamo does not honour: it traced the Variant's
+    construction in every layer and fullgraph failed (json's encoder)."""
+    name = register()
+    model = tiny_llama(name)
+    ids = torch.randint(1, 512, (2, 10), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        eager = model(ids).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)

@@ -20,7 +20,6 @@ not padding-shaped (e.g. packed sequences) raises ValueError.
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
@@ -28,16 +27,28 @@ import torch
 import jitattn as ja
 
 
-@functools.lru_cache(maxsize=64)
+_VARIANTS: dict = {}  # (causal, sliding_window, softcap) -> Variant
+
+
 def variant_for(causal: bool, sliding_window: int | None, softcap: float | None) -> ja.Variant:
-    """The Variant of one attention layer's settings (cached: one kernel per distinct set)."""
+    """The Variant of one attention layer's settings (kept: one kernel per distinct set). A
+    plain dict lookup, which torch.compile traces as one once a call outside it (or the first
+    compiled call's graph break) has built the Variant: functools.lru_cache is not honoured
+    there, and building a Variant cannot be traced (fullgraph failed in every layer)."""
+    variant = _VARIANTS.get((causal, sliding_window, softcap))
+    return variant if variant is not None else _build_variant(causal, sliding_window, softcap)
+
+
+@torch.compiler.disable
+def _build_variant(causal: bool, sliding_window: int | None, softcap: float | None):
     name = "hf" + ("_causal" if causal else "") + \
         (f"_window{sliding_window}" if sliding_window else "") + \
         (f"_softcap{softcap:g}" if softcap else "")
     # transformers' sliding_window counts the query's own token; window_left does not
-    return ja.Variant(name, mask="causal" if causal else "none",
-                      window_left=None if not sliding_window else sliding_window - 1,
-                      score_mod=ja.soft_cap(float(softcap)) if softcap else None)
+    variant = ja.Variant(name, mask="causal" if causal else "none",
+                         window_left=None if not sliding_window else sliding_window - 1,
+                         score_mod=ja.soft_cap(float(softcap)) if softcap else None)
+    return _VARIANTS.setdefault((causal, sliding_window, softcap), variant)
 
 
 class _Unpadding:
@@ -49,14 +60,20 @@ class _Unpadding:
         real if some query sees it. Where positions matter (causal or windowed), a query is
         real if its own token (key kv_len - q_len + i; none before the first key) is;
         otherwise (cross-attention, whose keys are another sequence, and encoders) if it sees
-        a key. Only real queries' rows are checked and computed."""
-        q_len, kv_len = allowed.shape[1:]
+        a key. Only real queries' rows are checked and computed. Keys after the last one any
+        query sees, and after the queries' q_len (a static cache's unused slots: its mask
+        spans max_cache_len keys), are left out first, so that the queries' own tokens end
+        the keys (they were taken from the unused slots: every row came out 0)."""
+        batch, q_len, kv_len = allowed.shape
+        seen = allowed.any(dim=1).any(dim=0).nonzero()  # (a host sync, once per forward)
+        kv_used = min(kv_len, max(q_len, int(seen.max()) + 1 if len(seen) else 0))
+        allowed = allowed[:, :, :kv_used]
         key_real = allowed.any(dim=1)
         if variant.mask == "none" and variant.window_left is None:
             q_real = allowed.any(dim=2)
         else:
             q_real = torch.zeros(allowed.shape[:2], dtype=torch.bool, device=allowed.device)
-            q_real[:, max(0, q_len - kv_len):] = key_real[:, max(0, kv_len - q_len):]
+            q_real[:, max(0, q_len - kv_used):] = key_real[:, max(0, kv_used - q_len):]
         n, m = key_real.sum(1), q_real.sum(1)
         key_rank, q_rank = key_real.cumsum(1) - 1, q_real.cumsum(1) - 1
         # what the variant computes on the real rows: query rank r sits at position
@@ -74,7 +91,9 @@ class _Unpadding:
                 "jitattn's transformers integration takes unpadded or padded batches, not "
                 "packed sequences or arbitrary masks")
         self.q_rows = q_real.reshape(-1).nonzero().squeeze(1)
-        self.kv_rows = key_real.reshape(-1).nonzero().squeeze(1)
+        # rows of k / v [batch * kv_len] (the unused slots are not rows of any request)
+        self.kv_rows = (torch.arange(batch, device=allowed.device)[:, None] * kv_len +
+                        torch.arange(kv_used, device=allowed.device))[key_real]
         counts = torch.stack([m, n]).cpu()  # one host sync per forward
         zero = torch.zeros(1, dtype=torch.int32)
         self.qo_indptr = torch.cat([zero, counts[0].cumsum(0).to(torch.int32)])
@@ -88,13 +107,17 @@ _RECENT: list = []  # [weakref to the mask, its version, {variant: _Unpadding}],
 _RECENT_MASKS = 4
 
 
-def _unpadding(attention_mask: torch.Tensor, variant: ja.Variant) -> _Unpadding:
+def _unpadding(attention_mask: torch.Tensor, variant: ja.Variant,
+               first_layer: bool = False) -> _Unpadding:
     # transformers builds a new mask per forward; a mask changed in place is seen by its
     # version counter, which inference tensors lack: those are reused only as the latest mask
+    # and within one forward (first_layer: the model's layer 0 starts a forward, so a mask
+    # buffer the caller refills in place between forwards gets a new layout)
     inference = attention_mask.is_inference()
     version = None if inference else attention_mask._version
     entry = next((e for e in _RECENT if e[0]() is attention_mask), None)
-    if entry is None or entry[1] != version or (inference and entry is not _RECENT[0]):
+    if entry is None or entry[1] != version or \
+            (inference and (entry is not _RECENT[0] or first_layer)):
         # (by identity: weak references compare their tensors)
         kept = [e for e in _RECENT if e is not entry and e[0]() is not None]
         entry = [weakref.ref(attention_mask), version, {}]
@@ -133,12 +156,19 @@ def jitattn_attention_forward(module, query, key, value, attention_mask, dropout
     k = key.transpose(1, 2).reshape(batch * kv_len, key.shape[1], d)
     v = value.transpose(1, 2).reshape(batch * kv_len, value.shape[1], d)
     if attention_mask is None:
+        if causal and 1 < q_len < kv_len:
+            # transformers passes no mask here only for a prefill into an empty static cache,
+            # relying on SDPA's is_causal (upper-left aligned): the keys after the q_len
+            # queries' own are the cache's unused slots (all were read: 0 from their zeros)
+            kv_len = q_len
+            k, v = (x[:, :, :q_len].transpose(1, 2).reshape(batch * q_len, x.shape[1], d)
+                    for x in (key, value))
         qo = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32)
         kv = torch.arange(0, batch * kv_len + 1, kv_len, dtype=torch.int32)
         out = ja.attention(q.contiguous(), k.contiguous(), v.contiguous(), variant,
                            qo_indptr=qo, kv_indptr=kv, sm_scale=scaling)
         return out.reshape(batch, q_len, hq, d), None
-    layout = _unpadding(attention_mask, variant)
+    layout = _unpadding(attention_mask, variant, getattr(module, "layer_idx", None) == 0)
     out = torch.zeros(batch * q_len, hq, d, dtype=query.dtype, device=query.device)
     out[layout.q_rows] = ja.attention(q[layout.q_rows], k[layout.kv_rows], v[layout.kv_rows],
                                       variant, qo_indptr=layout.qo_indptr,
