@@ -1,6 +1,7 @@
 """Checks of the plain Python arguments the public API shares (counts, sizes), so that every
 wrapper refuses a bad one alike: TypeError for the wrong type, ValueError for the wrong value,
-each naming the argument and its value."""
+each naming the argument and its value; and ``planner``, the wrappers' plan() decorator (hints
+for FlashInfer's keywords, eager under torch.compile)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import inspect
 import operator
 
 import numpy as np
+import torch
 
 
 def int_arg(name: str, value, minimum: int = 1, maximum: int | None = None) -> int:
@@ -49,10 +51,17 @@ _FLASHINFER_PLAN = {
 }
 
 
-def flashinfer_hints(plan):
-    """``plan`` raising, for a keyword it does not take that FlashInfer's plan() does, a
-    TypeError that says where that setting lives here (Python's own error named only the
-    keyword). Other calls are plan's own."""
+def planner(plan):
+    """A wrapper's plan(): run eagerly under torch.compile (dynamo traced into its numpy code
+    and failed inside; with fullgraph=True the error now names the rule), and raising, for a
+    keyword it does not take that FlashInfer's plan() does, a TypeError that says where that
+    setting lives here (Python's own error named only the keyword). Other calls are plan's
+    own."""
+    return torch.compiler.disable(_flashinfer_hints(plan), reason=(
+        "jitattn's plan() is host work between steps: call it outside the compiled function"))
+
+
+def _flashinfer_hints(plan):
     signature = inspect.signature(plan)
 
     @functools.wraps(plan)

@@ -24,7 +24,7 @@ import torch
 
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
-from .args import bool_arg, flashinfer_hints, int_arg
+from .args import bool_arg, int_arg, planner
 from .batch_inputs import check_batch
 from .plan import Plan, make_plan
 from .render import QUERY_TILES, query_kind, tiles_for
@@ -124,7 +124,7 @@ class BatchPrefill:
         self._forward_to = None  # what run() calls without a plan (unplan())
 
     # -- plan -------------------------------------------------------------------------------------
-    @flashinfer_hints
+    @planner
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, *, q_dtype=torch.float16, kv_dtype=None,
              sm_scale: float | None = None, custom_mask=None, packed_custom_mask=None,
@@ -444,7 +444,7 @@ class BatchDecode(BatchPrefill):
                              f"{variant.name!r} has mask={variant.mask!r}, whose data "
                              f"BatchPrefill.plan takes (one query per request works there)")
 
-    @flashinfer_hints
+    @planner
     def plan(self, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, *, q_dtype=torch.float16, kv_dtype=None,
              sm_scale: float | None = None) -> Plan:

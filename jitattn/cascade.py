@@ -23,7 +23,7 @@ import torch
 
 from . import masks as masks_mod
 from . import launch, ops
-from .args import bool_arg, flashinfer_hints, int_arg
+from .args import bool_arg, int_arg, planner
 from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors, \
     reject_run_kwargs, resolve_device
 from .batch_inputs import check_batch
@@ -67,7 +67,7 @@ class MultiLevelCascade:
         self._rows: list | None = None
         self._handle = ops.register_wrapper(self)  # torch.compile: the op finds us by it
 
-    @flashinfer_hints
+    @planner
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, *, q_rows=None, q_dtype=torch.float16,
              sm_scale: float | None = None) -> None:
@@ -239,7 +239,7 @@ class CascadeDecode(MultiLevelCascade):
         saved_bytes = max(0, batch - 1) * prefix_len * 2 * num_kv_heads * head_dim * itemsize
         return "cascade" if saved_bytes / DECODE_BYTES_PER_S > CASCADE_OVERHEAD_S else "plain"
 
-    @flashinfer_hints
+    @planner
     def plan(self, shared_kv_indices, shared_last_page_len: int, unique_kv_indptr,
              unique_kv_indices, unique_kv_last_page_len, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, *, q_dtype=torch.float16, sm_scale: float | None = None) -> str:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .dsl import ScalarParam
-from .spec import ON_CREATE, PER_OBJECT, Variant
+from .spec import _CAPTURED, ON_CREATE, PER_OBJECT, Variant
 
 _VARIANTS: "weakref.WeakValueDictionary[int, Variant]" = weakref.WeakValueDictionary()
 _NEXT_HANDLE = itertools.count()
@@ -42,14 +42,18 @@ PER_OBJECT.add("_op_handle")
 
 
 def _split_params(variant: Variant, params: dict) -> tuple[list, list]:
-    """The variant's runtime parameters as the ops pass them: tensors, then floats. Raises as
-    the eager call would for a missing or unexpected name (the ops pass scalars by position:
-    a gap would shift them) or a scalar that is not a number."""
+    """The variant's runtime parameters as the ops pass them: tensors (the caller's, then the
+    captured ones: graph inputs, so that an in-place change the graph makes before the op is
+    seen by it), then floats. Raises as the eager call would for a missing or unexpected name
+    (the ops pass scalars by position: a gap would shift them) or a scalar that is not a
+    number."""
     variant.check_param_names(params)
     tensors, scalars = [], []
+    captured = [p.captured for p in variant.params
+                if not isinstance(p, ScalarParam) and p.captured is not None]
     for p in variant.params:
         if p.name not in params:
-            continue  # captured: the Variant binds it
+            continue  # captured: passed after the caller's
         x = params[p.name]
         if isinstance(p, ScalarParam):
             if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Real, torch.SymFloat,
@@ -62,7 +66,7 @@ def _split_params(variant: Variant, params: dict) -> tuple[list, list]:
                 raise TypeError(f"parameter {p.name!r} must be a torch.Tensor, got "
                                 f"{type(x).__name__}")
             tensors.append(x)
-    return tensors, scalars
+    return tensors + captured, scalars
 
 
 def _traced_key(obj) -> str:
@@ -92,8 +96,12 @@ def _attention_impl(handle, key, q, k, v, qo_indptr, kv_indptr, sm_scale, tensor
     variant = _traced_with(_VARIANTS, handle, key, "Variant")
     from .api import attention  # (api imports this module)
     kw = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr) if qo_indptr is not None else {}
-    return attention(q, k, v, variant, sm_scale=sm_scale, return_lse=True, **kw,
-                     **_params_of(variant, tensors, scalars))
+    params, captured = _params_of(variant, tensors, scalars)
+    token = _CAPTURED.set(captured)
+    try:
+        return attention(q, k, v, variant, sm_scale=sm_scale, return_lse=True, **kw, **params)
+    finally:
+        _CAPTURED.reset(token)
 
 
 def _attention_fake(handle, key, q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
@@ -142,9 +150,13 @@ def register_wrapper(wrapper) -> int:
 def _wrapper_run_impl(handle, key, q, inputs, tensors, scalars, num_outputs):
     wrapper = _traced_with(_WRAPPERS, handle, key, "wrapper")
     n = sum(isinstance(p, ScalarParam) for p in wrapper.variant.params)
-    params = _params_of(wrapper.variant, tensors, scalars[:n])
-    # scalars past the variant's: the wrapper's own run() arguments (BatchPrefill: k/v_scale)
-    return list(wrapper._run_eager(q, inputs, params, *scalars[n:]))[:num_outputs]
+    params, captured = _params_of(wrapper.variant, tensors, scalars[:n])
+    token = _CAPTURED.set(captured)
+    try:
+        # scalars past the variant's: the wrapper's own run() arguments (BatchPrefill: k/v_scale)
+        return list(wrapper._run_eager(q, inputs, params, *scalars[n:]))[:num_outputs]
+    finally:
+        _CAPTURED.reset(token)
 
 
 def _wrapper_run_fake(handle, key, q, inputs, tensors, scalars, num_outputs):
@@ -158,11 +170,16 @@ _wrapper_run = torch.library.custom_op(
 _wrapper_run.register_fake(_wrapper_run_fake)
 
 
-def _params_of(variant: Variant, tensors, scalars) -> dict:
+def _params_of(variant: Variant, tensors, scalars) -> tuple[dict, dict]:
+    """_split_params' lists back as (the caller's parameters by name, the captured tensors'
+    current values by parameter name: spec._CAPTURED)."""
     scalar_names = [p.name for p in variant.params if isinstance(p, ScalarParam)]
-    tensor_names = [p.name for p in variant.params
-                    if not isinstance(p, ScalarParam) and p.captured is None]
-    return dict(zip(tensor_names, tensors)) | dict(zip(scalar_names, scalars))
+    tensor_params = [p for p in variant.params if not isinstance(p, ScalarParam)]
+    names = [p.name for p in tensor_params if p.captured is None]
+    names += [p.name for p in tensor_params if p.captured is not None]
+    given = dict(zip(names, tensors))
+    captured = {p.name: given.pop(p.name) for p in tensor_params if p.captured is not None}
+    return given | dict(zip(scalar_names, scalars)), captured
 
 
 def wrapper_traced(wrapper, q, inputs, params, *, num_outputs: int, extra_scalars=()):

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from . import launch, ops, tune
-from .args import bool_arg, int_arg
+from .args import bool_arg, int_arg, planner
 from .batch import CAPACITY_MINIMUMS, CAPACITY_NAMES, BatchPrefill, reject_run_kwargs, \
     resolve_device
 from .merge import merge_state_in_place
@@ -221,6 +221,7 @@ class SharedPrefixPrefill:
                 return f"{what} given to the constructor"
         return None
 
+    @planner
     def plan(self, prefix_len: int, suffix_lens, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, *, q_dtype=torch.float16, sm_scale: float | None = None) -> str:
         """Plan a batch: prefix_len P >= 0 tokens shared by len(suffix_lens) >= 1 requests with

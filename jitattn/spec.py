@@ -8,6 +8,7 @@ runtime data).
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 import hashlib
 import json
@@ -26,6 +27,10 @@ from .args import int_arg
 from .dsl import ScalarParam, SpecError, TensorParam
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+# captured tensors as a torch.compile graph passed them to a jitattn op (ops.py), by parameter
+# name: their current values, where the Variant's own tensor may not have received an in-place
+# change the graph made before the op yet (functionalization writes it back after the graph)
+_CAPTURED: contextvars.ContextVar = contextvars.ContextVar("jitattn_captured", default={})
 # the keywords of attention() and the wrappers' run(), which a misspelling turns into an
 # unexpected variant parameter
 _CALL_KEYWORDS = ("return_lse", "sm_scale", "out", "lse", "qo_indptr", "kv_indptr", "k_scale",
@@ -299,7 +304,7 @@ class Variant:
                                      f"finite number that float32 holds (|x| <= 3.4e38)")
                 bound[p.name] = val
                 continue
-            t = p.captured if p.captured is not None else params[p.name]
+            t = params[p.name] if p.captured is None else _CAPTURED.get().get(p.name, p.captured)
             what = "captured tensor" if p.captured is not None else "parameter"
             shown = p.display
             if not isinstance(t, torch.Tensor):

@@ -224,3 +224,54 @@ def test_a_wrapper_handle_is_checked_against_the_traced_class_and_variant():
                                                f"'BatchDecode handle_decode-.*' in this process; "
                                                f"the graph was traced with '{wrong}'"):
             torch.ops.jitattn.wrapper_run(decode._handle, wrong, q, [q], [], [], 1)
+
+
+def test_an_in_place_change_of_a_captured_tensor_inside_the_graph_is_seen():
+    """The ops read captured tensors through the Variant, behind the graph's back: a
+    bias.fill_() the compiled function made before the attention (written back by
+    functionalization only after the graph) was not seen, by ja.attention nor by a wrapper's
+    run(); they are graph inputs of the ops now."""
+    bias = torch.zeros(4)
+    variant = ja.Variant("captured_bias", mask="causal",
+                         score_mod=lambda s, b, h, q_idx, kv_idx: s + bias[h] * (kv_idx - q_idx))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 64, generator=gen).half() for n, h in ((20, 4), (30, 2), (30, 2)))
+    decode = ja.BatchDecode(variant, kv_layout="ragged", device="cpu")
+    decode.plan(torch.tensor([0, 30], dtype=torch.int32), None, None, 4, 2, 64)
+
+    def step(q, k, v, value):
+        bias.fill_(value)
+        return ja.attention(q, k, v, variant), decode.run(q[-1:], (k, v))
+    with torch.inference_mode():
+        bias.zero_()
+        eager = step(q, k, v, 0.5)
+        bias.zero_()
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v, 0.5)
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert bias.eq(0.5).all()
+
+
+def test_plan_inside_a_compiled_function_runs_eagerly():
+    """plan() inside torch.compile: dynamo traced into the planner's numpy and failed with its
+    own internal errors; it now runs plan() eagerly (a graph break), and with fullgraph=True
+    the error names the rule."""
+    variant = ja.Variant("c", mask="causal")
+    decode = ja.BatchDecode(variant, page_size=16, device="cpu")
+    cache = tuple(torch.randn(8, 16, 2, 64).half() for _ in range(2))
+    i32 = dict(dtype=torch.int32)
+    args = (torch.randn(3, 4, 64).half(), torch.tensor([0, 1, 3, 4], **i32),
+            torch.tensor([0, 1, 2, 3], **i32), torch.tensor([5, 9, 16], **i32))
+
+    def step(q, indptr, indices, last):
+        decode.plan(indptr, indices, last, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+        return decode.run(q, cache)
+    with torch.inference_mode():
+        eager = step(*args)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(step, backend="aot_eager")(*args), eager,
+                                   rtol=0, atol=0)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="jitattn's plan\\(\\) is host work between steps: "
+                                            "call it outside the compiled function"):
+            torch.compile(step, backend="aot_eager", fullgraph=True)(*args)
