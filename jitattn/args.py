@@ -52,32 +52,52 @@ _FLASHINFER_PLAN = {
 
 
 def planner(plan):
-    """A wrapper's plan(): run eagerly under torch.compile (dynamo traced into its numpy code
-    and failed inside; with fullgraph=True the error now names the rule), and raising, for a
-    keyword it does not take that FlashInfer's plan() does, a TypeError that says where that
-    setting lives here (Python's own error named only the keyword). Other calls are plan's
-    own."""
-    return torch.compiler.disable(_flashinfer_hints(plan), reason=(
-        "jitattn's plan() is host work between steps: call it outside the compiled function"))
-
-
-def _flashinfer_hints(plan):
+    """A wrapper's plan(): host work that torch.compile must not trace (dynamo traced the
+    planner's numpy and failed inside it), and that raises, for a keyword it does not take that
+    FlashInfer's plan() does, a TypeError saying where that setting lives here (Python's own
+    error named only the keyword). Other calls are plan's own."""
     signature = inspect.signature(plan)
 
     @functools.wraps(plan)
     def checked(*args, **kwargs):
-        try:
-            return plan(*args, **kwargs)
-        except TypeError as e:
-            try:
-                signature.bind(*args, **kwargs)
-            except TypeError:
-                cls = type(args[0]).__name__ if args else "BatchDecode"
-                hints = [f"{name}= is {where.format(cls=cls)}"
-                         for name, where in _FLASHINFER_PLAN.items()
-                         if name in kwargs and name not in signature.parameters]
-                if hints:
-                    raise TypeError(f"{e}: {'; '.join(hints)} (README: porting from "
-                                    f"FlashInfer)") from None
-            raise
+        return _uncompiled()(_plan_with_hints, plan, signature, args, kwargs)
     return checked
+
+
+_UNCOMPILED = None
+
+
+def _uncompiled():
+    """A trampoline that torch.compile does not trace: it calls fn(*args) with dynamo off (a
+    graph break; under fullgraph, the error names the rule). Made at the first plan(), not at
+    import: torch.compiler.disable imports dynamo (1.3 s of `import jitattn` on the CI
+    machine), and its reason= needs torch 2.8."""
+    global _UNCOMPILED
+    if _UNCOMPILED is None:
+        def call(fn, *args):
+            return fn(*args)
+        try:
+            _UNCOMPILED = torch.compiler.disable(call, reason=(
+                "jitattn's plan() is host work between steps: call it outside the compiled "
+                "function"))
+        except TypeError:  # (torch before 2.8: no reason=)
+            _UNCOMPILED = torch.compiler.disable(call)
+    return _UNCOMPILED
+
+
+def _plan_with_hints(plan, signature, args, kwargs):
+    """plan(*args, **kwargs), its TypeError for a FlashInfer keyword given a hint."""
+    try:
+        return plan(*args, **kwargs)
+    except TypeError as e:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError:
+            cls = type(args[0]).__name__ if args else "BatchDecode"
+            hints = [f"{name}= is {where.format(cls=cls)}"
+                     for name, where in _FLASHINFER_PLAN.items()
+                     if name in kwargs and name not in signature.parameters]
+            if hints:
+                raise TypeError(f"{e}: {'; '.join(hints)} (README: porting from "
+                                f"FlashInfer)") from None
+        raise
