@@ -49,8 +49,8 @@ def _split_params(variant: Variant, params: dict) -> tuple[list, list]:
     number."""
     variant.check_param_names(params)
     tensors, scalars = [], []
-    captured = [p.captured for p in variant.params
-                if not isinstance(p, ScalarParam) and p.captured is not None]
+    captured = [p.captured.detach() for p in variant.params  # (an nn.Parameter captured:
+                if not isinstance(p, ScalarParam) and p.captured is not None]  # no backward)
     for p in variant.params:
         if p.name not in params:
             continue  # captured: passed after the caller's

@@ -275,3 +275,21 @@ def test_plan_inside_a_compiled_function_runs_eagerly():
         with pytest.raises(Exception, match="jitattn's plan\\(\\) is host work between steps: "
                                             "call it outside the compiled function"):
             torch.compile(step, backend="aot_eager", fullgraph=True)(*args)
+
+
+def test_a_captured_parameter_that_requires_grad_compiles_for_inference():
+    """A score_mod capturing an nn.Parameter (a learned per-head bias), compiled with grad
+    mode on and q not requiring grad: the captured tensor went into the op as it was, which
+    has no autograd formula, and compiling failed."""
+    bias = torch.nn.Parameter(torch.linspace(-0.1, 0.1, 4))
+    variant = ja.Variant("param_bias", mask="causal",
+                         score_mod=lambda s, b, h, q_idx, kv_idx: s + bias[h] * (kv_idx - q_idx))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 64, generator=gen).half() for n, h in ((20, 4), (30, 2), (30, 2)))
+
+    def attend(q, k, v):
+        return ja.attention(q, k, v, variant)
+    eager = attend(q, k, v)
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)

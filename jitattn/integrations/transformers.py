@@ -34,12 +34,18 @@ def variant_for(causal: bool, sliding_window: int | None, softcap: float | None)
     """The Variant of one attention layer's settings (kept: one kernel per distinct set). A
     plain dict lookup, which torch.compile traces as one once a call outside it (or the first
     compiled call's graph break) has built the Variant: functools.lru_cache is not honoured
-    there, and building a Variant cannot be traced (fullgraph failed in every layer)."""
+    there, and building a Variant cannot be traced (fullgraph failed in every layer with an
+    error about json's encoder)."""
     variant = _VARIANTS.get((causal, sliding_window, softcap))
-    return variant if variant is not None else _build_variant(causal, sliding_window, softcap)
+    if variant is not None:
+        return variant
+    if torch.compiler.is_compiling():  # (dynamo breaks the graph here and builds it eagerly;
+        #                                 under fullgraph this is the error)
+        raise RuntimeError("jitattn builds a layer's Variant on the layer's first call: run the "
+                           "model once outside torch.compile(fullgraph=True) first")
+    return _build_variant(causal, sliding_window, softcap)
 
 
-@torch.compiler.disable
 def _build_variant(causal: bool, sliding_window: int | None, softcap: float | None):
     name = "hf" + ("_causal" if causal else "") + \
         (f"_window{sliding_window}" if sliding_window else "") + \
@@ -65,8 +71,14 @@ class _Unpadding:
         spans max_cache_len keys), are left out first, so that the queries' own tokens end
         the keys (they were taken from the unused slots: every row came out 0)."""
         batch, q_len, kv_len = allowed.shape
-        seen = allowed.any(dim=1).any(dim=0).nonzero()  # (a host sync, once per forward)
-        kv_used = min(kv_len, max(q_len, int(seen.max()) + 1 if len(seen) else 0))
+        # query i's own token is q_len - 1 - i keys before the last used one, and the last key
+        # a query row sees is at most its own (a padding row sees less, or nothing): the
+        # largest of last + (q_len - i) over the rows is the keys in use (the last key anyone
+        # sees was wrong when the chunk ended in padding in every request)
+        last = torch.where(allowed, torch.arange(kv_len, device=allowed.device), -1).amax(2)
+        own_end = torch.where(last >= 0, last + q_len - torch.arange(q_len, device=last.device),
+                              0)
+        kv_used = min(kv_len, max(q_len, int(own_end.max())))  # (a host sync)
         allowed = allowed[:, :, :kv_used]
         key_real = allowed.any(dim=1)
         if variant.mask == "none" and variant.window_left is None:
