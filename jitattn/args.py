@@ -60,29 +60,31 @@ def planner(plan):
 
     @functools.wraps(plan)
     def checked(*args, **kwargs):
-        return _uncompiled()(_plan_with_hints, plan, signature, args, kwargs)
+        return host_only(_PLAN_REASON)(_plan_with_hints, plan, signature, args, kwargs)
     return checked
 
 
-_UNCOMPILED = None
+_PLAN_REASON = ("jitattn's plan() is host work between steps: call it outside the compiled "
+                "function")
+_HOST_ONLY: dict = {}  # reason -> trampoline
 
 
-def _uncompiled():
-    """A trampoline that torch.compile does not trace: it calls fn(*args) with dynamo off (a
-    graph break; under fullgraph, the error names the rule). Made at the first plan(), not at
-    import: torch.compiler.disable imports dynamo (1.3 s of `import jitattn` on the CI
-    machine), and its reason= needs torch 2.8."""
-    global _UNCOMPILED
-    if _UNCOMPILED is None:
+def host_only(reason: str):
+    """A trampoline that torch.compile does not trace: ``host_only(reason)(fn, *args)`` calls
+    fn(*args) with dynamo off (a graph break; under fullgraph=True, an error that gives
+    ``reason``). jitattn's one way of keeping host work (planning, building a Variant) out of
+    compiled graphs. Made at first use, not at import: torch.compiler.disable imports dynamo
+    (1.3 s of `import jitattn` on the CI machine), and its reason= needs torch 2.8."""
+    trampoline = _HOST_ONLY.get(reason)
+    if trampoline is None:
         def call(fn, *args):
             return fn(*args)
         try:
-            _UNCOMPILED = torch.compiler.disable(call, reason=(
-                "jitattn's plan() is host work between steps: call it outside the compiled "
-                "function"))
+            trampoline = torch.compiler.disable(call, reason=reason)
         except TypeError:  # (torch before 2.8: no reason=)
-            _UNCOMPILED = torch.compiler.disable(call)
-    return _UNCOMPILED
+            trampoline = torch.compiler.disable(call)
+        trampoline = _HOST_ONLY.setdefault(reason, trampoline)
+    return trampoline
 
 
 def _plan_with_hints(plan, signature, args, kwargs):

@@ -285,3 +285,24 @@ def test_a_model_compiles_fullgraph_after_an_eager_call():
             pytest.skip(f"transformers {transformers.__version__} with torch {torch.__version__} "
                         f"passes a mask while tracing")
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_a_layer_variant_is_built_eagerly_under_compile():
+    """A layer's first call inside torch.compile builds its Variant with dynamo off (a graph
+    break; jitattn's one trampoline, args.host_only, as plan() uses); under fullgraph=True the
+    error says what to do."""
+    import jitattn.integrations.transformers as integration
+    settings = (True, None, 7.25)  # a soft-cap no other test builds
+    integration._VARIANTS.pop(settings, None)
+
+    def layer(x):
+        integration.variant_for(*settings)
+        return x + 1
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="run the model once outside "
+                                        "torch.compile\\(fullgraph=True\\) first"):
+        torch.compile(layer, backend="aot_eager", fullgraph=True)(torch.ones(3))
+    assert settings not in integration._VARIANTS
+    torch._dynamo.reset()
+    assert torch.compile(layer, backend="aot_eager")(torch.ones(3)).eq(2).all()
+    assert integration._VARIANTS[settings].name == "hf_causal_softcap7.25"

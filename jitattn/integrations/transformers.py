@@ -25,6 +25,7 @@ import weakref
 import torch
 
 import jitattn as ja
+from jitattn.args import host_only
 
 
 _VARIANTS: dict = {}  # (causal, sliding_window, softcap) -> Variant
@@ -35,15 +36,15 @@ def variant_for(causal: bool, sliding_window: int | None, softcap: float | None)
     plain dict lookup, which torch.compile traces as one once a call outside it (or the first
     compiled call's graph break) has built the Variant: functools.lru_cache is not honoured
     there, and building a Variant cannot be traced (fullgraph failed in every layer with an
-    error about json's encoder)."""
+    error about json's encoder), so it is built eagerly (args.host_only)."""
     variant = _VARIANTS.get((causal, sliding_window, softcap))
     if variant is not None:
         return variant
-    if torch.compiler.is_compiling():  # (dynamo breaks the graph here and builds it eagerly;
-        #                                 under fullgraph this is the error)
-        raise RuntimeError("jitattn builds a layer's Variant on the layer's first call: run the "
-                           "model once outside torch.compile(fullgraph=True) first")
-    return _build_variant(causal, sliding_window, softcap)
+    return host_only(_VARIANT_REASON)(_build_variant, causal, sliding_window, softcap)
+
+
+_VARIANT_REASON = ("jitattn builds a layer's Variant on the layer's first call: run the model "
+                   "once outside torch.compile(fullgraph=True) first")
 
 
 def _build_variant(causal: bool, sliding_window: int | None, softcap: float | None):
