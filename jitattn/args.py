@@ -36,6 +36,23 @@ def bool_arg(name: str, value) -> bool:
     return bool(value)
 
 
+# what a batch needs of each capacity the constructor takes, as plan()'s errors say it
+_NEEDS = {"max_batch_size": "batch of {n} requests exceeds",
+          "max_num_pages": "the batch uses {n} pages, more than",
+          "max_mask_bytes": "the custom mask has {n} bytes, more than",
+          "max_item_tokens": "{n} item tokens exceed"}
+
+
+def over_capacity(capacity: dict, name: str, needed: int) -> str | None:
+    """The error message when a batch needs ``needed`` of capacity ``name`` (max_batch_size,
+    max_num_pages, max_mask_bytes or max_item_tokens) and ``capacity[name]`` is less, else
+    None: the one wording of BatchPrefill / BatchDecode.plan() and of SharedPrefixPrefill's
+    early checks."""
+    if needed <= capacity[name]:
+        return None
+    return f"{_NEEDS[name].format(n=needed)} {name}={capacity[name]} given to the constructor"
+
+
 # keywords of FlashInfer's plan() that are something else here (README, porting from FlashInfer)
 _FLASHINFER_PLAN = {
     "causal": "the Variant's mask (Variant(..., mask='causal'), the default, or mask='none')",

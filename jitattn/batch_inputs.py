@@ -11,7 +11,7 @@ import torch
 
 from . import dtypes
 from . import masks as masks_mod
-from .args import int_arg
+from .args import int_arg, over_capacity
 from .plan import check_seq_lens
 from .render import HEAD_DIMS
 
@@ -106,12 +106,11 @@ def check_batch(qo, kv_indptr, kv_indices, kv_last_page_len, *, decode: bool, kv
     if kv_dtype not in (q_dtype,) + dtypes.FP8_KV_DTYPES:
         raise TypeError(f"kv_dtype={kv_dtype!r}: expected q_dtype ({q_dtype}) or one of "
                         f"{dtypes.FP8_KV_DTYPES}")
-    if batch > capacity["max_batch_size"]:
-        raise ValueError(f"batch of {batch} requests exceeds max_batch_size="
-                         f"{capacity['max_batch_size']} given to the constructor")
-    if not ragged and kv[-1] > capacity["max_num_pages"]:
-        raise ValueError(f"the batch uses {kv[-1]} pages, more than max_num_pages="
-                         f"{capacity['max_num_pages']} given to the constructor")
+    for name, needed in (("max_batch_size", batch),
+                         ("max_num_pages", 0 if ragged else int(kv[-1]))):
+        over = over_capacity(capacity, name, needed)
+        if over is not None:
+            raise ValueError(over)
     # int64: a request listing a page 2**16 times at page_size 2**16 has 2**32 keys, which
     # wrapped in int32 (to 0: an output of zeros; or below 0: the CPU kernel aborted)
     kv_lens = np.where(pages > 0, (pages.astype(np.int64) - 1) * tokens_per_page + last, 0)

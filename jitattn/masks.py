@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .args import over_capacity
+
 
 def host_int32(name: str, t, *, allow_empty: bool = False) -> np.ndarray:
     """A validated host copy of a 1-D int32 tensor."""
@@ -79,9 +81,9 @@ def mask_arrays(mode: str, masks: dict, qo_lens, kv_lens, cap: dict) -> dict:
         else:
             raise ValueError("the variant's mask is 'custom': plan() needs custom_mask or "
                              "packed_custom_mask + mask_indptr")
-        if len(bits) > cap["max_mask_bytes"]:
-            raise ValueError(f"the custom mask has {len(bits)} bytes, more than "
-                             f"max_mask_bytes={cap['max_mask_bytes']}")
+        over = over_capacity(cap, "max_mask_bytes", len(bits))
+        if over is not None:
+            raise ValueError(over)
         return {"mask_offsets": offsets[:-1], "bits": bits}
     if mode == "multi_item":
         missing = {"prefix_len", "token_pos_in_items", "max_item_len"} - given
@@ -108,9 +110,9 @@ def mask_arrays(mode: str, masks: dict, qo_lens, kv_lens, cap: dict) -> dict:
             if len(seg) and (seg.min() < 0 or seg.max() > max_item[b]):
                 raise ValueError(f"token_pos_in_items of request {b} must lie in [0, "
                                  f"max_item_len[{b}] = {max_item[b]}]")
-        if len(pos) > cap["max_item_tokens"]:
-            raise ValueError(f"{len(pos)} item tokens exceed max_item_tokens="
-                             f"{cap['max_item_tokens']}")
+        over = over_capacity(cap, "max_item_tokens", len(pos))
+        if over is not None:
+            raise ValueError(over)
         return {"prefix": prefix, "pos_offsets": offsets[:-1], "max_item": max_item,
                 "pos": pos}
     return {}

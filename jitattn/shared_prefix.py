@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from . import launch, ops, tune
-from .args import bool_arg, int_arg, planner
+from .args import bool_arg, int_arg, over_capacity, planner
 from .batch import CAPACITY_MINIMUMS, CAPACITY_NAMES, BatchPrefill, reject_run_kwargs, \
     resolve_device
 from .merge import merge_state_in_place
@@ -200,26 +200,17 @@ class SharedPrefixPrefill:
         before its suffixes), naive's one-token pages, the dense mask of custom_mask, the item
         positions of multi_item. (Work items and partial rows depend on the schedule; the
         wrappers' plan() checks them.)"""
-        def cap(name):
-            return self._capacities.get(name, _CAPACITY_DEFAULTS[name])
+        capacity = {**_CAPACITY_DEFAULTS, **self._capacities}
         m, p, suffixes = len(suffix_lens), prefix_len, sum(suffix_lens)
         batch, pages = {"naive": (m, m * p + suffixes), "ragged": (m, 0), "split": (m, 0),
                         "cascade": (m, 0)}.get(strategy, (1, 0))
-        mask_bytes = -(-(p + suffixes) ** 2 // 8)
-        for over, what in (
-                (batch > cap("max_batch_size"),
-                 f"batch of {batch} requests exceeds max_batch_size={cap('max_batch_size')}"),
-                (pages > cap("max_num_pages"),
-                 f"the batch uses {pages} pages, more than max_num_pages="
-                 f"{cap('max_num_pages')}"),
-                (strategy == "custom_mask" and mask_bytes > cap("max_mask_bytes"),
-                 f"the custom mask has {mask_bytes} bytes, more than max_mask_bytes="
-                 f"{cap('max_mask_bytes')}"),
-                (strategy == "multi_item" and suffixes > cap("max_item_tokens"),
-                 f"{suffixes} item tokens exceed max_item_tokens={cap('max_item_tokens')}")):
-            if over:
-                return f"{what} given to the constructor"
-        return None
+        needs = [("max_batch_size", batch), ("max_num_pages", pages)]
+        if strategy == "custom_mask":
+            needs.append(("max_mask_bytes", -(-(p + suffixes) ** 2 // 8)))
+        if strategy == "multi_item":
+            needs.append(("max_item_tokens", suffixes))
+        return next((over for name, n in needs
+                     if (over := over_capacity(capacity, name, n)) is not None), None)
 
     @planner
     def plan(self, prefix_len: int, suffix_lens, num_qo_heads: int, num_kv_heads: int,

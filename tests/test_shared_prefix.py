@@ -1,6 +1,7 @@
 """Shared-prefix prefill: every strategy equals naive on the CPU backend."""
 
 import random
+import re
 
 import pytest
 import torch
@@ -239,3 +240,33 @@ def test_oversized_plans_are_refused_before_their_arrays_are_built():
             assert tracemalloc.get_traced_memory()[1] < 1 << 24, strategy
         finally:
             tracemalloc.stop()
+
+
+def test_capacity_errors_read_the_same_from_every_planner():
+    """SharedPrefixPrefill refuses a strategy before building its arrays with the message that
+    BatchPrefill.plan() gives for the same capacity (one wording, args.over_capacity): its
+    early copy of the messages had drifted (" given to the constructor" missing from the
+    mask's)."""
+    p, suffixes, hq, hkv, d = 40, [3, 5], 4, 2, 64
+    n = p + sum(suffixes)
+    for strategy, name, needed in (("custom_mask", "max_mask_bytes", -(-n * n // 8)),
+                                   ("multi_item", "max_item_tokens", sum(suffixes))):
+        text = re.escape(f"{name}={needed - 1} given to the constructor")
+        sp = SharedPrefixPrefill(ja.Variant("causal"), strategy, device="cpu",
+                                 **{name: needed - 1})
+        with pytest.raises(ValueError, match=text) as early:
+            sp.plan(p, suffixes, hq, hkv, d)
+        SharedPrefixPrefill(ja.Variant("causal"), strategy, device="cpu",
+                            **{name: needed}).plan(p, suffixes, hq, hkv, d)  # just fits
+        # the wrapper's own check, on the same batch
+        wrapper = ja.BatchPrefill(ja.Variant(f"w_{strategy}", mask=strategy.split("_mask")[0]),
+                                  kv_layout="ragged", device="cpu", **{name: needed - 1})
+        i32 = dict(dtype=torch.int32)
+        kwargs = (dict(custom_mask=torch.ones(n * n, dtype=torch.bool))
+                  if strategy == "custom_mask" else
+                  dict(prefix_len=torch.tensor([p], **i32), max_item_len=torch.tensor([5], **i32),
+                       token_pos_in_items=torch.tensor([1, 2, 3, 1, 2, 3, 4, 5], **i32)))
+        with pytest.raises(ValueError) as late:
+            wrapper.plan(torch.tensor([0, n], **i32), torch.tensor([0, n], **i32), None, None,
+                         num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, **kwargs)
+        assert str(early.value).endswith(str(late.value)), (early.value, late.value)
