@@ -1,13 +1,17 @@
-"""Checks of the plain Python arguments the public API shares (counts, sizes), so that every
-wrapper refuses a bad one alike: TypeError for the wrong type, ValueError for the wrong value,
-each naming the argument and its value; and ``planner``, the wrappers' plan() decorator (hints
-for FlashInfer's keywords, eager under torch.compile)."""
+"""Checks of the plain Python arguments the public API shares (counts, sizes, devices,
+capacities, KV scales), so that every wrapper refuses a bad one alike: TypeError for the wrong
+type, ValueError for the wrong value, each naming the argument and its value; and the host-only
+trampolines: ``planner``, the wrappers' plan() decorator (hints for FlashInfer's keywords), and
+``host_only``, which keeps host work out of torch.compile's graphs."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import math
+import numbers
 import operator
+import struct
 
 import numpy as np
 import torch
@@ -34,6 +38,76 @@ def bool_arg(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}={value!r}: expected True or False")
     return bool(value)
+
+
+def resolve_device(device) -> torch.device:
+    """The wrappers' device: None picks the current CUDA device when there is one, else the
+    CPU backend. Raises ValueError for a CUDA device on a machine without CUDA."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = f"cuda:{device}"  # (torch's int devices are its accelerator's)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r}: expected a cuda device ('cuda', 'cuda:1') or "
+                         f"'cpu'") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r}: CUDA is not available to this torch "
+                             f"({torch.__version__}); pass device='cpu' for the CPU backend")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"device={str(device)!r}: expected a cuda device or 'cpu'")
+    return device
+
+
+def positive_f32(x: float) -> bool:
+    """Whether x, rounded to float32 as the kernels take it, is finite and > 0."""
+    return 0 < x < 3.4e38 and struct.unpack("f", struct.pack("f", x))[0] > 0
+
+
+def kv_scales(k_scale, v_scale, sm_scale: float) -> tuple[float, float]:
+    """run()'s k_scale / v_scale as Python floats: finite and > 0, numpy's floats too, and
+    sm_scale x k_scale (the kernels' softmax scale) finite and > 0 as float32. Raises
+    ValueError naming the argument (a tensor gets a hint: reading one per call would sync)."""
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        try:
+            fine = not isinstance(value, (bool, np.bool_)) and \
+                isinstance(value, numbers.Real) and 0 < float(value) < math.inf
+        except OverflowError:
+            fine = False
+        if not fine:
+            hint = " (read a tensor scale once with .item(): a tensor here would " \
+                "cost a device sync per call)" if isinstance(value, torch.Tensor) else ""
+            raise ValueError(f"{name}={value!r}: expected a finite Python float > 0{hint}")
+    k_scale, v_scale = float(k_scale), float(v_scale)
+    scale = sm_scale * k_scale
+    if not positive_f32(scale):
+        raise ValueError(f"k_scale={k_scale!r}: sm_scale x k_scale = {scale!r} must be "
+                         f"finite and > 0 as float32")
+    return k_scale, v_scale
+
+
+_NOT_RUN_KWARGS = {
+    "k_scale": "fp8 KV caches and their scales are BatchPrefill's and BatchDecode's",
+    "v_scale": "fp8 KV caches and their scales are BatchPrefill's and BatchDecode's"}
+
+
+def reject_run_kwargs(wrapper, params: dict) -> None:
+    """Cascades and shared-prefix prefill plan caches in q's dtype: their run() takes no
+    k_scale / v_scale but 1 (which changes nothing), and drops those from ``params``. Raises
+    ValueError naming the keyword and ``wrapper`` (its class, or a class name). (Parameter
+    names cannot be these: dsl reserves them.)"""
+    for name in _NOT_RUN_KWARGS:
+        if name in params:
+            value = params.pop(name)
+            if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)) or \
+                    value != 1:
+                owner = wrapper if isinstance(wrapper, str) else type(wrapper).__name__
+                raise ValueError(f"{owner}.run() takes no {name} (other than 1.0): "
+                                 f"{_NOT_RUN_KWARGS[name]}")
 
 
 # what a batch needs of each capacity the constructor takes, as plan()'s errors say it

@@ -15,8 +15,6 @@ the schedule may change; BatchDecode with a fixed batch is the usual case).
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
 import os
 
 import numpy as np
@@ -24,7 +22,7 @@ import torch
 
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
-from .args import bool_arg, int_arg, planner
+from .args import bool_arg, int_arg, kv_scales, planner, reject_run_kwargs, resolve_device
 from .batch_inputs import check_batch
 from .plan import Plan, make_plan
 from .render import QUERY_TILES, query_kind, tiles_for
@@ -38,29 +36,6 @@ LAYOUTS = ("NHD", "HND", "ragged")
 CAPACITY_MINIMUMS = {"max_batch_size": 1, "max_num_pages": 0, "max_work_items": 1,
                      "max_partial_rows": 0, "max_mask_bytes": 0, "max_item_tokens": 0}
 CAPACITY_NAMES = tuple(CAPACITY_MINIMUMS)
-
-
-def resolve_device(device) -> torch.device:
-    """The wrappers' device: None picks the current CUDA device when there is one, else the
-    CPU backend. Raises ValueError for a CUDA device on a machine without CUDA."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if isinstance(device, int) and not isinstance(device, bool):
-        device = f"cuda:{device}"  # (torch's int devices are its accelerator's)
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device={device!r}: expected a cuda device ('cuda', 'cuda:1') or "
-                         f"'cpu'") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={str(device)!r}: CUDA is not available to this torch "
-                             f"({torch.__version__}); pass device='cpu' for the CPU backend")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    elif device.type != "cpu":
-        raise ValueError(f"device={str(device)!r}: expected a cuda device or 'cpu'")
-    return device
 
 
 class BatchPrefill:
@@ -311,22 +286,7 @@ class BatchPrefill:
                 k_scale != 1.0 or v_scale != 1.0:  # (the defaults need no check: host time)
             if self.scales_refused_by:  # (a cascade's plain strategy: its run is ours)
                 reject_run_kwargs(self.scales_refused_by, dict(k_scale=k_scale, v_scale=v_scale))
-            for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-                try:
-                    fine = not isinstance(value, (bool, np.bool_)) and \
-                        isinstance(value, numbers.Real) and 0 < float(value) < math.inf
-                except OverflowError:
-                    fine = False
-                if not fine:
-                    hint = " (read a tensor scale once with .item(): a tensor here would " \
-                        "cost a device sync per call)" if isinstance(value, torch.Tensor) else ""
-                    raise ValueError(f"{name}={value!r}: expected a finite Python float > 0"
-                                     f"{hint}")
-            k_scale, v_scale = float(k_scale), float(v_scale)  # (numpy's floats too)
-            scale = self._planned.get("sm_scale", 1.0) * k_scale  # the kernels' softmax scale
-            if not launch.positive_f32(scale):
-                raise ValueError(f"k_scale={k_scale!r}: sm_scale x k_scale = {scale!r} must be "
-                                 f"finite and > 0 as float32")
+            k_scale, v_scale = kv_scales(k_scale, v_scale, self._planned.get("sm_scale", 1.0))
         k_cache, v_cache = split_cache(kv_cache, self.kv_layout)
         checks = self._run_inputs
         if checks is None:
@@ -389,26 +349,6 @@ class BatchPrefill:
         """run() for the wrapper_run op (ops.py): inputs are the cache tensor(s)."""
         return self.run(q, inputs[0] if len(inputs) == 1 else tuple(inputs), return_lse=True,
                         k_scale=k_scale, v_scale=v_scale, **params)
-
-
-_NOT_RUN_KWARGS = {
-    "k_scale": "fp8 KV caches and their scales are BatchPrefill's and BatchDecode's",
-    "v_scale": "fp8 KV caches and their scales are BatchPrefill's and BatchDecode's"}
-
-
-def reject_run_kwargs(wrapper, params: dict) -> None:
-    """Cascades and shared-prefix prefill plan caches in q's dtype: their run() takes no
-    k_scale / v_scale but 1 (which changes nothing), and drops those from ``params``. Raises
-    ValueError naming the keyword and ``wrapper`` (its class, or a class name). (Parameter
-    names cannot be these: dsl reserves them.)"""
-    for name in _NOT_RUN_KWARGS:
-        if name in params:
-            value = params.pop(name)
-            if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)) or \
-                    value != 1:
-                owner = wrapper if isinstance(wrapper, str) else type(wrapper).__name__
-                raise ValueError(f"{owner}.run() takes no {name} (other than 1.0): "
-                                 f"{_NOT_RUN_KWARGS[name]}")
 
 
 def _cache_tensors(kv_cache) -> list:

@@ -23,9 +23,8 @@ import torch
 
 from . import masks as masks_mod
 from . import launch, ops
-from .args import bool_arg, int_arg, planner
-from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors, \
-    reject_run_kwargs, resolve_device
+from .args import bool_arg, int_arg, planner, reject_run_kwargs, resolve_device
+from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors
 from .batch_inputs import check_batch
 from .merge import merge_states_into
 from .shared_prefix import layout_features

@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import math
 import numbers
-import struct
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from . import dtypes, jit, load, render
+from .args import positive_f32
 from .dsl import ScalarParam
-
-
-def positive_f32(x: float) -> bool:
-    """Whether x, rounded to float32 as the kernels take it, is finite and > 0."""
-    return 0 < x < 3.4e38 and struct.unpack("f", struct.pack("f", x))[0] > 0
 
 
 def resolve_sm_scale(sm_scale, head_dim: int) -> float:

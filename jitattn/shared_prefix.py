@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 from . import launch, ops, tune
-from .args import bool_arg, int_arg, over_capacity, planner
-from .batch import CAPACITY_MINIMUMS, CAPACITY_NAMES, BatchPrefill, reject_run_kwargs, \
+from .args import bool_arg, int_arg, over_capacity, planner, reject_run_kwargs, \
     resolve_device
+from .batch import CAPACITY_MINIMUMS, CAPACITY_NAMES, BatchPrefill
 from .merge import merge_state_in_place
 from .plan import check_seq_lens
 from .prefix import multi_item_metadata
