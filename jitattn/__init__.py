@@ -21,10 +21,11 @@ from .cascade import CascadeDecode, MultiLevelCascade
 from . import catalog  # the ready-made variants: catalog.builtin()[name].make()
 
 __all__ = [
-    "Variant", "RoPE", "SpecError", "IntOverflowWarning", "CompileError", "attention", "scalar", "tensor", "where",
+    "Variant", "RoPE", "SpecError", "IntOverflowWarning", "CompileError", "attention", "scalar",
+    "tensor", "where",
     "tanh", "exp", "log", "sigmoid", "minimum", "maximum", "abs", "soft_cap", "alibi_slopes",
     "merge_state", "merge_state_in_place", "merge_states", "BatchPrefill", "BatchDecode",
     "PrefixGroup", "PrefixTrie", "find_shared_prefixes", "multi_item_metadata",
-    "SharedPrefixPrefill", "CascadeDecode", "MultiLevelCascade",
+    "SharedPrefixPrefill", "CascadeDecode", "MultiLevelCascade", "catalog",
     "__version__",
 ]

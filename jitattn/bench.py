@@ -360,7 +360,8 @@ def report(rows: list[dict], json_path: str | None, png_path: str | None = None)
     lines = [f"{meta['date']}  {meta['gpu']}  torch {meta['torch']}  jitattn {meta['jitattn']}",
              f"ceilings: copy {rows[0]['copy_TBps']:.2f} TB/s, bf16 GEMM "
              f"{rows[0]['gemm_TFLOPs']:.0f} TFLOP/s",
-             f"| case | implementation | ms | {'TB/s | % of copy' if 'TBps' in rows[0] else 'TFLOP/s'} |",
+             "| case | implementation | ms | " +
+             ("TB/s | % of copy |" if "TBps" in rows[0] else "TFLOP/s |"),
              "|---|---|---|---|" + ("---|" if "TBps" in rows[0] else "")]
     for r in rows:
         rate = f"{r['TBps']:.2f} | {r['pct_copy']:.0f}%" if "TBps" in r else f"{r['TFLOPs']:.1f}"

@@ -50,7 +50,8 @@ def grid(quick: bool, device: str) -> list[dict]:
                 F.scaled_dot_product_attention, qb, kb, vb, is_causal=True, enable_gqa=True)
         # alternating rounds (bench.timed_rounds: each fn relative to its round). Cells where
         # naive takes under a millisecond (one timing, unsettled) are host-bound: two runs of
-        # the same code (auto and the strategy it picks) were measured 3.7% apart with three rounds at P96 S256 M2 (session 7), and
+        # the same code (auto and the strategy it picks) were measured 3.7% apart with three
+        # rounds at P96 S256 M2 (session 7), and
         # 10-40% apart in the first cells of a process (session 13, where every fn ran
         # slower until the process had run for a while), more than the 5% target for auto
         # allows; they get every fn untimed for STEADY_MS once, then 15 rounds. Longer

@@ -53,7 +53,8 @@ def evaluate(e: Expr, env: dict, params: dict):
         p, q = _promote(e, x)
         if e.kind == "int":
             safe = torch.where(q == 0, torch.ones_like(q), q)
-            r = torch.div(p, safe, rounding_mode="floor") if op == "//" else torch.remainder(p, safe)
+            r = (torch.div(p, safe, rounding_mode="floor") if op == "//"
+                 else torch.remainder(p, safe))
             return torch.where(q == 0, torch.zeros_like(r), r)
         return torch.floor(p / q) if op == "//" else p - q * torch.floor(p / q)
     if op in ("&", "|", "^"):

@@ -56,7 +56,8 @@ def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_s
     lse = torch.full((total_q, hq), -math.inf, dtype=torch.float64, device=q.device)
     mask_data = mask_data or {}
     custom_mask = mask_data.get("custom_mask")
-    prefix_len, token_pos_in_items = mask_data.get("prefix_len"), mask_data.get("token_pos_in_items")
+    prefix_len = mask_data.get("prefix_len")
+    token_pos_in_items = mask_data.get("token_pos_in_items")
     mask_at, pos_at = 0, 0
     for b in range(batch):
         lq_b, lk_b = qo[b + 1] - qo[b], kv[b + 1] - kv[b]

@@ -27,9 +27,10 @@ SMEM_ROW_PAD = 8  # 16-bit elements of padding per shared-memory row (jitattn_at
 class Tiles:
     """Launch shape of a CUDA kernel (templates/cuda/include/jitattn_attend.cuh): num_warps
     warps of ``rows`` query rows each (a multiple of 16, the mma row block), over K/V tiles of
-    kv_tile keys through ``stages`` shared-memory buffers. Prefill splits a CTA's rows among its warps; decode gives every warp the same
-    ``rows`` rows and a share of each K/V tile. wgmma: prefill on Hopper's warpgroup MMA (a
-    warpgroup of 4 warps per 64 rows, operands in 128-byte swizzled shared memory)."""
+    kv_tile keys through ``stages`` shared-memory buffers. Prefill splits a CTA's rows among
+    its warps; decode gives every warp the same ``rows`` rows and a share of each K/V tile.
+    wgmma: prefill on Hopper's warpgroup MMA (a warpgroup of 4 warps per 64 rows, operands in
+    128-byte swizzled shared memory)."""
 
     num_warps: int
     rows: int

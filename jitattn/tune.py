@@ -1,9 +1,10 @@
 """``jitattn tune``: measure every shared-prefix strategy on this device over a grid of
 (prefix P, suffix S, requests M) and store the table beside the kernel cache; the strategy
 "auto" of SharedPrefixPrefill then takes, per batch, the fastest exact strategy that fits the
-wrapper's capacities (the simplest of those within TIE of the fastest) at the nearest measured cell (nearest in log2 of P + 1, S and M, and no
-further than MAX_LOG2_DISTANCE along any), for the head configuration the table was measured
-with. Without such a cell, "auto" applies the rule in SharedPrefixPrefill.choose.
+wrapper's capacities (the simplest of those within TIE of the fastest) at the nearest measured
+cell (nearest in log2 of P + 1, S and M, and no further than MAX_LOG2_DISTANCE along any),
+for the head configuration the table was measured with. Without such a cell, "auto" applies
+the rule in SharedPrefixPrefill.choose.
 
 The table is JSON: {"device", "num_qo_heads", "num_kv_heads", "head_dim", "dtype", "cells":
 [{"prefix", "suffix", "requests", "ms": {strategy: milliseconds}}]}, written atomically.
