@@ -679,15 +679,23 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
                 }
           };
           [[maybe_unused]] float sum[2] = {0.f, 0.f};
-          if constexpr (WGMMA) {  // P first, while the previous product finishes
-            exponentiate(sum);
-            wgmma_wait<0>();
-            wgmma_hold(*reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]));
-          }
+          // WGMMA: P first, while the previous product (O += P V) finishes. ptxas moves a
+          // wgmma wait up within its basic block, here to the softmax's start, which then ran
+          // after the product instead of under it (SASS, session 19). The wait is therefore
+          // placed after a branch that the softmax's sums decide (a NaN sum takes the
+          // rescaling path, exact for any factor): it cannot move above them.
+          if constexpr (WGMMA) exponentiate(sum);
+          auto wait_product = [&] {
+            if constexpr (WGMMA) {
+              wgmma_wait<0>();
+              wgmma_hold(*reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]));
+            }
+          };
           // O and l are rescaled only when some row's max grew in this warp: otherwise every
           // factor is exactly 1, or the row has seen nothing and O, l are still 0. After the
           // first tiles the max rarely grows, so most tiles skip the ND * 4 multiplies.
-          if (__any_sync(0xffffffffu, grew)) {
+          if (__any_sync(0xffffffffu, grew || (WGMMA && !(sum[0] >= 0.f && sum[1] >= 0.f)))) {
+            wait_product();
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               l[mt][h] *= alpha[h];
@@ -698,6 +706,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
               }
             }
           }
+          wait_product();
           if constexpr (WGMMA) {
             l[mt][0] += sum[0];
             l[mt][1] += sum[1];
