@@ -60,6 +60,8 @@ def resolve_device(device) -> torch.device:
             device = torch.device("cuda", torch.cuda.current_device())
     elif device.type != "cpu":
         raise ValueError(f"device={str(device)!r}: expected a cuda device or 'cpu'")
+    else:
+        device = torch.device("cpu")  # (cpu:0 is cpu: tensors report no index there)
     return device
 
 

@@ -222,6 +222,11 @@ class CascadeDecode(MultiLevelCascade):
                  strategy: str = "auto", device=None, **capacities):
         if strategy not in ("auto", "cascade", "plain"):
             raise ValueError(f"strategy={strategy!r}: expected 'auto', 'cascade' or 'plain'")
+        if kv_layout == "ragged":  # (its plan() takes page tables: no plan could succeed)
+            raise ValueError("kv_layout='ragged': CascadeDecode plans over page tables ('NHD' "
+                             "or 'HND'); for ragged keys use MultiLevelCascade(variant, 2, "
+                             "kv_layout='ragged'), whose plan() takes None per level for "
+                             "kv_indices and kv_last_page_len")
         super().__init__(variant, 2, page_size, kv_layout, device=device, **capacities)
         # the unique level has one query per request: the decode kernel
         self.levels[1] = BatchDecode(variant, page_size=page_size, kv_layout=kv_layout,

@@ -392,3 +392,11 @@ def test_every_strategy_checks_the_plan_arguments_alike(strategy):
     assert cd.run(torch.randn(2, hq, d).half(), cache).shape == (2, hq, d)
     with pytest.raises(ValueError, match=r"q has shape \(3, 8, 64\); the plan expects \(2, 8, 64\)"):
         cd.run(torch.randn(3, hq, d).half(), cache)
+
+
+def test_cascade_decode_refuses_a_ragged_layout_it_cannot_plan():
+    """CascadeDecode(kv_layout="ragged") was built, but its plan() takes page tables, which the
+    ragged levels refuse, and a table of None the argument checks refuse: no plan could
+    succeed. The constructor now says so and names what works."""
+    with pytest.raises(ValueError, match="MultiLevelCascade\\(variant, 2, kv_layout='ragged'\\)"):
+        ja.CascadeDecode(ja.Variant("c", mask="causal"), kv_layout="ragged", device="cpu")

@@ -403,3 +403,19 @@ def test_flashinfer_plan_keywords_say_where_they_live():
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'bogus'$"):
         dec.plan(*args, bogus=1)
     assert dec.plan(*args) is not None  # (plan itself unchanged)
+
+
+def test_a_wrapper_on_cpu_0_names_the_real_problem():
+    """device="cpu:0" kept its index, and every check after a failed fast path then said
+    "q and k_cache are on cpu / cpu; the wrapper was built for cpu:0" instead of what was
+    wrong (here: a cache one page short)."""
+    i32 = dict(dtype=torch.int32)
+    decode = ja.BatchDecode(ja.Variant("c", mask="causal"), page_size=4, device="cpu:0")
+    assert decode.device == torch.device("cpu")
+    decode.plan(torch.tensor([0, 2], **i32), torch.tensor([0, 1], **i32),
+                torch.tensor([3], **i32), 8, 2, 64)
+    q = torch.randn(1, 8, 64).half()
+    cache = torch.randn(2, 4, 2, 64).half()
+    with pytest.raises(ValueError, match="the plan refers to page 1 but k_cache has 1 pages"):
+        decode.run(q, (cache[:1], cache))
+    assert decode.run(q, (cache, cache)).shape == q.shape
