@@ -329,11 +329,18 @@ class CascadeDecode(MultiLevelCascade):
         tables = [torch.cat([shared, indices[int(indptr[b]):int(indptr[b + 1])]])
                   for b in range(batch)]
         full_last = torch.where(own > 0, last, torch.full_like(last, self.page_size if n else 0))
-        self.plain.plan(torch.cat([torch.zeros(1, dtype=torch.int32),
-                                   torch.cumsum(own + n, 0, dtype=torch.int32)]),
-                        torch.cat(tables) if tables else torch.zeros(0, dtype=torch.int32),
-                        full_last, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
-                        sm_scale=sm_scale)
+        try:
+            self.plain.plan(torch.cat([torch.zeros(1, dtype=torch.int32),
+                                       torch.cumsum(own + n, 0, dtype=torch.int32)]),
+                            torch.cat(tables) if tables else torch.zeros(0, dtype=torch.int32),
+                            full_last, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
+                            sm_scale=sm_scale)
+        except ValueError as e:
+            if "max_num_pages" not in str(e):
+                raise
+            raise ValueError(f"strategy 'plain': {e} (plain decode lists the prefix's {n} "
+                             f"pages in each of the {batch} requests' tables, before their "
+                             f"own {len(indices)})") from None
 
     def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False, **params):
         """Attention of q [batch, heads, head_dim] over the shared prefix and each request's

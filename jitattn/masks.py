@@ -19,7 +19,13 @@ def host_int32(name: str, t, *, allow_empty: bool = False) -> np.ndarray:
         raise TypeError(f"{name} has dtype {t.dtype}; expected torch.int32 (convert with "
                         f".int(); the batch wrappers do not convert index tensors silently)")
     if t.dim() != 1 or (t.numel() == 0 and not allow_empty):
-        raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
+        what = "a 1-D tensor" if allow_empty else "a non-empty 1-D tensor"
+        raise ValueError(f"{name} must be {what}, got shape {tuple(t.shape)}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device, which holds no values; expected a "
+                         f"tensor on the CPU or a GPU")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} is a {t.layout} tensor; expected a dense one")
     return t.cpu().numpy()
 
 

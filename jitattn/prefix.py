@@ -219,6 +219,9 @@ def find_shared_prefixes(requests: Sequence[Sequence[int]], block_size: int,
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
         raise TypeError(f"requests={requests!r}: expected one sequence of token ids per "
                         f"request")  # (None raised "'NoneType' object is not iterable")
+    if isinstance(requests, (Set, Mapping)):  # (groups name requests by position)
+        raise TypeError(f"requests is a {type(requests).__name__}; expected the requests in "
+                        f"order (a list or tuple): the groups name them by their index")
     for i, tokens in enumerate(requests):
         trie.insert(_token_array(tokens, f"requests[{i}]")[:-1])  # the last is never shared
     return trie.groups(min_members)

@@ -419,3 +419,29 @@ def test_a_wrapper_on_cpu_0_names_the_real_problem():
     with pytest.raises(ValueError, match="the plan refers to page 1 but k_cache has 1 pages"):
         decode.run(q, (cache[:1], cache))
     assert decode.run(q, (cache, cache)).shape == q.shape
+
+
+def test_index_tensors_and_request_containers_are_named_when_refused():
+    """A meta or sparse index tensor failed inside torch / numpy without naming the argument;
+    an empty shared_kv_indices is fine, so a 2-D one is not refused as "non-empty"; plain
+    decode's page count includes the prefix copied into every request's table, which the
+    capacity error now says; a set or dict of requests has no order to name groups by."""
+    i32 = dict(dtype=torch.int32)
+    decode = ja.BatchDecode(ja.Variant("c", mask="causal"), page_size=4, device="cpu")
+    indptr, indices, last = (torch.tensor(x, **i32) for x in ([0, 2, 3], [0, 1, 2], [1, 2]))
+    with pytest.raises(ValueError, match="kv_indptr is on the meta device"):
+        decode.plan(indptr.to("meta"), indices, last, 8, 2, 64)
+    with pytest.raises(ValueError, match="kv_indptr is a torch.sparse_coo tensor; expected a "
+                                         "dense one"):
+        decode.plan(indptr.to_sparse(), indices, last, 8, 2, 64)
+    cascade = ja.CascadeDecode(ja.Variant("c", mask="causal"), page_size=4, device="cpu")
+    with pytest.raises(ValueError, match="shared_kv_indices must be a 1-D tensor, got shape"):
+        cascade.plan(torch.tensor([[5, 6]], **i32), 4, indptr, indices, last, 8, 2, 64)
+    plain = ja.CascadeDecode(ja.Variant("c", mask="causal"), page_size=4, strategy="plain",
+                             device="cpu", max_num_pages=6)
+    with pytest.raises(ValueError, match="the batch uses 11 pages.*prefix's 4 pages in each of "
+                                         "the 2 requests' tables, before their own 3"):
+        plain.plan(torch.tensor([3, 4, 5, 6], **i32), 4, indptr, indices, last, 8, 2, 64)
+    for requests in ({(1, 2, 3, 9), (1, 2, 3, 8)}, {"a": [1, 2, 3], "b": [1, 2, 4]}):
+        with pytest.raises(TypeError, match="expected the requests in order"):
+            ja.find_shared_prefixes(requests, 1)
