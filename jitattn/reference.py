@@ -30,6 +30,30 @@ def rope(x: torch.Tensor, positions: torch.Tensor, variant: Variant) -> torch.Te
     return out
 
 
+# the mask data each mode needs in mask_data (the names BatchPrefill.plan() takes them by)
+_MASK_DATA = {"custom": ("custom_mask",), "multi_item": ("prefix_len", "token_pos_in_items")}
+
+
+def _check_mask_data(variant: Variant, mask_data: dict | None, params: dict) -> None:
+    """Raises ValueError when the variant's custom / multi-item mask lacks its mask_data (or
+    got it as plan()'s keywords), naming what to pass."""
+    needed = _MASK_DATA.get(variant.mask, ())
+    if not needed:
+        return
+    plan_style = sorted(set(params) & {"custom_mask", "packed_custom_mask", "mask_indptr",
+                                       "prefix_len", "token_pos_in_items", "max_item_len"}
+                        - {p.name for p in variant.params})
+    missing = [name for name in needed if (mask_data or {}).get(name) is None]
+    if plan_style or missing:
+        raise ValueError(
+            f"variant {variant.name!r} has mask {variant.mask!r}: the reference takes its mask "
+            f"data as mask_data={{{', '.join(repr(n) + ': ...' for n in needed)}}}"
+            + (f" (got {plan_style} as keywords, as BatchPrefill.plan() takes them)"
+               if plan_style else f" (missing {missing})")
+            + ("; custom_mask is flattened bool, row-major [qo_len, kv_len] per request"
+               if variant.mask == "custom" else ""))
+
+
 def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_scale=None,
               return_lse=False, mask_data: dict | None = None, **params):
     """Reference of :func:`jitattn.attention`; same arguments, outputs in float64.
@@ -41,6 +65,7 @@ def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_s
     q [total_q, Hq, D], k/v [total_kv, Hkv, D]; out [total_q, Hq, D]; lse [total_q, Hq] (natural
     log; -inf for rows that see no key).
     """
+    _check_mask_data(variant, mask_data, params)
     total_q, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv

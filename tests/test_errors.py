@@ -445,3 +445,22 @@ def test_index_tensors_and_request_containers_are_named_when_refused():
     for requests in ({(1, 2, 3, 9), (1, 2, 3, 8)}, {"a": [1, 2, 3], "b": [1, 2, 4]}):
         with pytest.raises(TypeError, match="expected the requests in order"):
             ja.find_shared_prefixes(requests, 1)
+
+
+def test_the_reference_names_the_mask_data_a_custom_or_multi_item_mask_needs():
+    """reference.attention of a custom or multi-item mask without mask_data failed inside
+    ("'NoneType' object is not subscriptable"), and custom_mask= as plan() takes it was
+    refused as an unknown variant parameter."""
+    from jitattn import reference
+    q, k = torch.randn(5, 2, 16), torch.randn(7, 2, 16)
+    custom = ja.Variant("cm", mask="custom")
+    with pytest.raises(ValueError, match=r"mask_data=\{'custom_mask': ...\} \(missing"):
+        reference.attention(q, k, k, custom)
+    with pytest.raises(ValueError, match=r"got \['custom_mask'\] as keywords"):
+        reference.attention(q, k, k, custom, custom_mask=torch.ones(35, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"missing \['token_pos_in_items'\]"):
+        reference.attention(q, k, k, ja.Variant("mi", mask="multi_item"),
+                            mask_data={"prefix_len": torch.tensor([3])})
+    full = reference.attention(q, k, k, ja.Variant("f", mask="none"))
+    torch.testing.assert_close(
+        reference.attention(q, k, k, custom, mask_data={"custom_mask": torch.ones(35) > 0}), full)
