@@ -2,7 +2,8 @@
 
 Describe an attention variant in Python (:class:`Variant`); the first call renders CUDA (or C++
 for CPU tensors) from Jinja2 templates, builds it with ninja + nvcc (or g++), caches the binary on
-disk under a file lock, loads it (CuPy / ctypes) and runs it on PyTorch tensors.
+disk under a file lock, loads it (the CUDA driver through ctypes; a shared library for the CPU)
+and runs it on PyTorch tensors.
 Nothing runs at import time.
 """
 

@@ -180,7 +180,8 @@ def main(argv=None) -> int:
     sub.add_parser("doctor", help="show compilers, GPUs, CuPy and the cache").set_defaults(
         fn=_doctor)
     c = sub.add_parser("cache", help="list or clear the kernel cache")
-    c.add_argument("action", choices=["ls", "clear"])
+    c.add_argument("action", choices=["ls", "clear"],
+                   help="ls: every cached kernel (size, build time, key); clear: remove them")
     c.set_defaults(fn=_cache)
     b = sub.add_parser("compile", help="build the kernels of a variant file into the cache")
     b.add_argument("variant_file")

@@ -125,3 +125,14 @@ def test_output_into_a_reader_that_stops_early_is_quiet(tmp_path):
     proc.stdout.close()  # (before the interpreter has started: nothing reads the listing)
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "Broken" not in err, err
+
+
+def test_python_dash_m_jitattn_runs_the_command():
+    """`python -m jitattn doctor` failed (no jitattn.__main__) where the console script was not
+    installed, as in a plain checkout."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "jitattn", "cache", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "ls: every cached kernel" in done.stdout
