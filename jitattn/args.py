@@ -192,7 +192,27 @@ def _plan_with_hints(plan, signature, args, kwargs):
             hints = [f"{name}= is {where.format(cls=cls)}"
                      for name, where in _FLASHINFER_PLAN.items()
                      if name in kwargs and name not in signature.parameters]
+            hints += _positional_hints(signature, args, kwargs, cls)
             if hints:
                 raise TypeError(f"{e}: {'; '.join(hints)} (README: porting from "
                                 f"FlashInfer)") from None
         raise
+
+
+def _positional_hints(signature, args, kwargs, cls: str) -> list:
+    """Hints for FlashInfer's positional plan() calls: page_size after head_dim (the
+    constructor's here), and a ragged plan without the page-table arguments (None here)."""
+    names = [n for n, p in signature.parameters.items()
+             if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    hints = []
+    if "kv_indptr" in names and len(args) > len(names) and names[-1] == "head_dim":
+        hints.append(f"the argument after head_dim ({args[len(names)]!r}) would be FlashInfer's "
+                     f"page_size, which is the constructor's here ({cls}(variant, page_size=16))")
+    at = names.index("kv_indices") if "kv_indices" in names else None
+    if at is not None and args and getattr(args[0], "kv_layout", None) == "ragged" and \
+            "kv_indices" not in kwargs and (len(args) <= at or isinstance(args[at], int)):
+        pages = ", ".join(n for n in names[1:names.index("num_qo_heads")]
+                          if n.startswith(("qo_", "kv_indptr")))
+        hints.append(f"a ragged plan takes kv_indices=None and kv_last_page_len=None: "
+                     f"plan({pages}, None, None, num_qo_heads, num_kv_heads, head_dim)")
+    return hints

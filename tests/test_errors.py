@@ -464,3 +464,22 @@ def test_the_reference_names_the_mask_data_a_custom_or_multi_item_mask_needs():
     full = reference.attention(q, k, k, ja.Variant("f", mask="none"))
     torch.testing.assert_close(
         reference.attention(q, k, k, custom, mask_data={"custom_mask": torch.ones(35) > 0}), full)
+
+
+def test_flashinfer_positional_plan_calls_get_hints():
+    """FlashInfer's plan() takes page_size after head_dim, and its ragged wrapper has no page
+    table arguments: ported calls got Python's bare "takes 8 positional arguments but 9 were
+    given" / "missing 2 required positional arguments"."""
+    i32 = dict(dtype=torch.int32)
+    causal = ja.Variant("c", mask="causal")
+    qo, kv, idx, last = (torch.tensor(x, **i32) for x in ([0, 3], [0, 1], [0], [5]))
+    with pytest.raises(TypeError, match=r"the argument after head_dim \(16\) would be "
+                                        r"FlashInfer's page_size.*BatchPrefill\(variant, "
+                                        r"page_size=16\)"):
+        ja.BatchPrefill(causal, device="cpu").plan(qo, kv, idx, last, 4, 2, 64, 16)
+    with pytest.raises(TypeError, match=r"plan\(qo_indptr, kv_indptr, None, None, "
+                                        r"num_qo_heads, num_kv_heads, head_dim\)"):
+        ja.BatchPrefill(causal, kv_layout="ragged", device="cpu").plan(qo, kv, 4, 2, 64)
+    with pytest.raises(TypeError) as plain:  # (no hint where none applies)
+        ja.SharedPrefixPrefill(causal, "ragged", device="cpu").plan(8, [2], 4, 2, 64, 1)
+    assert "FlashInfer" not in str(plain.value)
