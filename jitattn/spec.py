@@ -15,6 +15,7 @@ import json
 import math
 import numbers
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Literal
@@ -133,8 +134,8 @@ class Variant:
     """An attention variant: what the attention computes (dtypes and shapes come at call time).
 
     name: identifier used in cache names ([A-Za-z0-9][A-Za-z0-9_.-]*).
-    mask: ``"none"``; ``"causal"`` (bottom-right aligned: query i of a request sees keys
-        j <= kv_len - qo_len + i); ``"custom"`` (an explicit boolean mask per request, given to
+    mask: ``"none"``; ``"causal"`` (the default; bottom-right aligned: query i of a request sees
+        keys j <= kv_len - qo_len + i); ``"custom"`` (an explicit boolean mask per request, given to
         BatchPrefill.plan); ``"multi_item"`` (a shared prefix seen causally plus items that see
         the prefix and, causally, only their own item; metadata given to BatchPrefill.plan).
     window_left: sliding window, keys with q_idx - kv_idx > window_left are hidden; None or -1
@@ -144,6 +145,8 @@ class Variant:
         exp that overflows) makes its row's output and lse NaN, as in torch (and a merge of that
         row's states NaN too).
     mask_mod: ``f(b, h, q_idx, kv_idx) -> bool``; False hides the key (ANDed with mask/window).
+        Given without ``mask``, it is ANDed with the default causal mask and a UserWarning
+        says so (FlexAttention's mask_mod alone is ``mask="none"`` here).
     pos_encoding: :class:`RoPE` applied to q and k on load, or None.
     reduction: ``"softmax"``, or ``"sigmoid"``: out = sum_j sigmoid(s_j) v_j, unnormalised;
         lse then reports log(sum_j sigmoid(s_j)), and partial states merge by addition. The
@@ -154,7 +157,7 @@ class Variant:
     """
 
     name: str
-    mask: Literal["none", "causal", "custom", "multi_item"] = "causal"
+    mask: Literal["none", "causal", "custom", "multi_item"] | None = None  # None: "causal"
     window_left: int | None = None
     score_mod: Callable | None = None
     mask_mod: Callable | None = None
@@ -170,6 +173,14 @@ class Variant:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise SpecError(f"Variant name={self.name!r}: expected [A-Za-z0-9][A-Za-z0-9_.-]*, "
                             f"at most 64 characters")
+        if self.mask is None:
+            if self.mask_mod is not None:  # (a FlexAttention mask_mod means no other mask)
+                warnings.warn(
+                    f"Variant {self.name!r}: mask_mod is ANDed with the default mask='causal'; "
+                    f"pass mask='causal' to keep that (and silence this warning), or "
+                    f"mask='none' for the mask_mod alone, as in FlexAttention", UserWarning,
+                    stacklevel=3)
+            object.__setattr__(self, "mask", "causal")
         if self.mask not in MASKS:
             raise SpecError(f"Variant mask={self.mask!r}: expected one of {MASKS}")
         if self.reduction not in REDUCTIONS:

@@ -132,7 +132,8 @@ def test_divisions_by_row_invariants_become_products():
     assert "(float)score / (float)0.0f" in runtime
     # deciding contexts keep the division, but for a power of two (an exact reciprocal)
     deciding = render.render_variant(
-        ja.Variant("d", score_mod=lambda s, b, h, q, kv: ja.where(s / 3.0 < kv / 4.0, s / 3.0, s),
+        ja.Variant("d", mask="causal",
+                   score_mod=lambda s, b, h, q, kv: ja.where(s / 3.0 < kv / 4.0, s / 3.0, s),
                    mask_mod=lambda b, h, q, kv: kv / (q + 1) < 1.0), backend="cpu", head_dim=64)
     assert "(float)score / (float)3.0f) < (kv_idx * 0.25f)" in deciding
     assert "? (float)(score * 0.3333333432674408f)" in deciding

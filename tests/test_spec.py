@@ -176,3 +176,22 @@ def test_param_names_reserved_for_attention_keywords():
         ja.tensor("k_scale", ("num_qo_heads",), "float32")
     with pytest.raises(SpecError, match=r"Variant name='causal\\n': expected"):
         ja.Variant("causal\n")
+
+
+def test_a_mask_mod_without_a_mask_warns_that_it_is_anded_with_causal():
+    """A FlexAttention port's mask_mod (a bidirectional document mask, say) was silently ANDed
+    with the default causal mask: outputs differed by up to 4 with nothing said. The default
+    stays causal; a mask_mod given without mask now warns, and mask= given silences it."""
+    import warnings
+    doc = ja.tensor("doc", ("kv_len",), "int32")
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+    with pytest.warns(UserWarning, match="mask_mod is ANDed with the default mask='causal'"):
+        v = ja.Variant("enc_doc", mask_mod=same_doc)
+    assert v.mask == "causal"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ja.Variant("enc_doc", mask="none", mask_mod=same_doc).mask == "none"
+        assert ja.Variant("dec_doc", mask="causal", mask_mod=same_doc).mask == "causal"
+        assert ja.Variant("plain").mask == "causal"
