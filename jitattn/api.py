@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from . import dtypes, jit, launch, ops, render
-from .args import bool_arg
+from .args import bool_arg, not_a_variant
 from .plan import check_seq_lens
 from .render import HEAD_DIMS
 from .spec import Variant
@@ -122,7 +122,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     head-group fusion (FlashInfer, arXiv 2501.01005, section 3.2).
     """
     if not isinstance(variant, Variant):
-        raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
+        raise not_a_variant(variant)
     return_lse = bool_arg("return_lse", return_lse)
     if torch.compiler.is_compiling():  # one opaque custom op: no host reads, no graph break
         o, s = ops.attention_traced(q, k, v, variant, qo_indptr=qo_indptr, kv_indptr=kv_indptr,

@@ -32,6 +32,16 @@ def int_arg(name: str, value, minimum: int = 1, maximum: int | None = None) -> i
     return n
 
 
+def not_a_variant(value, wrapper: str | None = None) -> TypeError:
+    """The TypeError for a ``variant`` argument that is not a jitattn.Variant; for a wrapper
+    given a tensor (FlashInfer's wrappers take their workspace buffer first), the hint."""
+    hint = ""
+    if wrapper is not None and isinstance(value, torch.Tensor):
+        hint = (f" (FlashInfer's wrappers take a workspace buffer first; jitattn's size their "
+                f"own: {wrapper}(variant, ...))")
+    return TypeError(f"variant must be a jitattn.Variant, got {type(value).__name__}{hint}")
+
+
 def bool_arg(name: str, value) -> bool:
     """``value`` as a Python bool: True / False, or numpy's. Raises TypeError naming ``name``
     for anything else (a string such as "no" would otherwise count as true)."""

@@ -22,7 +22,8 @@ import torch
 
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
-from .args import bool_arg, int_arg, kv_scales, planner, reject_run_kwargs, resolve_device
+from .args import bool_arg, int_arg, kv_scales, not_a_variant, planner, reject_run_kwargs, \
+    resolve_device
 from .batch_inputs import check_batch
 from .plan import Plan, make_plan
 from .render import QUERY_TILES, query_kind, tiles_for
@@ -71,7 +72,11 @@ class BatchPrefill:
                  max_mask_bytes: int = 1 << 24, max_item_tokens: int = 1 << 20,
                  split_kv: bool = True, query_tile: str = "auto"):
         if not isinstance(variant, Variant):
-            raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
+            raise not_a_variant(variant, type(self).__name__)
+        if isinstance(page_size, str) and page_size in LAYOUTS:  # (FlashInfer's 2nd argument)
+            raise TypeError(f"page_size={page_size!r}: expected an int >= 1; the layout is "
+                            f"the argument after it ({type(self).__name__}(variant, "
+                            f"page_size=16, kv_layout={page_size!r}))")
         page_size = int_arg("page_size", page_size)
         if kv_layout not in LAYOUTS:
             raise ValueError(f"kv_layout={kv_layout!r}: expected one of {LAYOUTS}")
@@ -259,7 +264,7 @@ class BatchPrefill:
         return kernel.rows_per_cta, sms * kernel.resident_ctas_per_sm(), kernel.kv_tile
 
     # -- run --------------------------------------------------------------------------------------
-    def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False,
+    def run(self, q: torch.Tensor, kv_cache, *extra, return_lse: bool = False,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
             k_scale: float = 1.0, v_scale: float = 1.0, **params):
         """Attention for the planned batch.
@@ -276,6 +281,10 @@ class BatchPrefill:
         are the longest request). Returns out, or (out, lse) with lse float32 natural log;
         rows that see no key give out 0 and lse -inf. Raises before any launch on bad input.
         """
+        if extra:  # (FlashInfer's ragged run(q, k, v))
+            raise TypeError(f"{type(self).__name__}.run() takes the cache as one argument: "
+                            f"run(q, (k, v)) or run(q, kv_cache); got {2 + len(extra)} "
+                            f"positional arguments after self")
         if return_lse.__class__ is not bool:
             return_lse = bool_arg("return_lse", return_lse)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced

@@ -23,7 +23,7 @@ import torch
 
 from . import masks as masks_mod
 from . import launch, ops
-from .args import bool_arg, int_arg, planner, reject_run_kwargs, resolve_device
+from .args import bool_arg, int_arg, not_a_variant, planner, reject_run_kwargs, resolve_device
 from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors
 from .batch_inputs import check_batch
 from .merge import merge_states_into
@@ -46,7 +46,7 @@ class MultiLevelCascade:
             raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments "
                             f"{unknown}; it takes {named + list(self._LEVEL_KEYWORDS)}")
         if not isinstance(variant, Variant):
-            raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
+            raise not_a_variant(variant, type(self).__name__)
         num_levels = int_arg("num_levels", num_levels)
         if variant.mask not in ("none", "causal"):
             raise ValueError(f"cascade levels take variants with mask 'none' or 'causal', got "

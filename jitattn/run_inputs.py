@@ -91,7 +91,7 @@ class RunInputs:
                 raise TypeError(f"{name} has dtype {c.dtype}; the plan was made for "
                                 f"kv_dtype={self.kv_dtype}")
             if c.device != q.device or q.device != self.device:
-                raise ValueError(f"q and {name} are on {q.device} / {c.device}; the wrapper "
+                raise ValueError(f"q is on {q.device}, {name} on {c.device}; the wrapper "
                                  f"was built for {self.device}")
             if c.stride(-1) != 1 or any(s * c.element_size() % 16 for s in c.stride()[:-1]) \
                     or c.data_ptr() % 16:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from . import launch, ops, tune
-from .args import bool_arg, int_arg, over_capacity, planner, reject_run_kwargs, \
+from .args import bool_arg, int_arg, not_a_variant, over_capacity, planner, reject_run_kwargs, \
     resolve_device
 from .batch import CAPACITY_MINIMUMS, CAPACITY_NAMES, BatchPrefill
 from .merge import merge_state_in_place
@@ -122,7 +122,7 @@ class SharedPrefixPrefill:
     def __init__(self, variant: Variant, strategy: str = "auto", *, device=None,
                  **capacities):
         if not isinstance(variant, Variant):
-            raise TypeError(f"variant must be a jitattn.Variant, got {type(variant).__name__}")
+            raise not_a_variant(variant, type(self).__name__)
         if variant.mask != "causal":
             raise ValueError(f"shared-prefix prefill needs a causal variant; {variant.name!r} "
                              f"has mask={variant.mask!r}")

@@ -483,3 +483,29 @@ def test_flashinfer_positional_plan_calls_get_hints():
     with pytest.raises(TypeError) as plain:  # (no hint where none applies)
         ja.SharedPrefixPrefill(causal, "ragged", device="cpu").plan(8, [2], 4, 2, 64, 1)
     assert "FlashInfer" not in str(plain.value)
+
+
+def test_flashinfer_shaped_constructor_and_run_calls_get_hints():
+    """FlashInfer's wrappers take a workspace buffer first and the layout second, and its
+    ragged run() takes k and v apart: ported calls were refused as "got Tensor", "page_size=
+    'NHD': expected an int" and "takes 3 positional arguments but 4 were given"."""
+    causal = ja.Variant("c", mask="causal")
+    workspace = torch.empty(16, dtype=torch.uint8)
+    for wrapper in (ja.BatchPrefill, ja.BatchDecode, ja.CascadeDecode):
+        with pytest.raises(TypeError, match=f"got Tensor \\(FlashInfer's wrappers take a "
+                                            f"workspace buffer first.*{wrapper.__name__}"):
+            wrapper(workspace, device="cpu")
+    with pytest.raises(TypeError, match="the layout is the argument after it \\(BatchPrefill"
+                                        "\\(variant, page_size=16, kv_layout='NHD'\\)\\)"):
+        ja.BatchPrefill(causal, "NHD", device="cpu")
+    i32 = dict(dtype=torch.int32)
+    ragged = ja.BatchPrefill(causal, kv_layout="ragged", device="cpu")
+    ragged.plan(torch.tensor([0, 3], **i32), torch.tensor([0, 5], **i32), None, None, 4, 2, 64)
+    q, k = torch.randn(3, 4, 64).half(), torch.randn(5, 2, 64).half()
+    with pytest.raises(TypeError, match=r"run\(q, \(k, v\)\) or run\(q, kv_cache\)"):
+        ragged.run(q, k, k)
+    with pytest.raises(ValueError, match="q is on meta, k_cache on cpu; the wrapper was built "
+                                         "for cpu"):
+        ragged.run(q.to("meta"), (k, k))
+    torch.testing.assert_close(ragged.run(q, (k, k)).float(),
+                               ja.attention(q, k, k, causal).float(), rtol=0, atol=0)
