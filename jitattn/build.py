@@ -95,10 +95,15 @@ def _first_error(log: str) -> str:
     (and so the variant), are not the compiler's."""
     lines = [line.strip() for line in log.splitlines()
              if line.strip() and not line.startswith("ninja:")]
-    for pattern in (r"\b(error|fatal)\s*:", r"^FAILED:"):
-        found = next((line for line in lines if re.search(pattern, line, re.I)), None)
-        if found:
-            return found
+    found = next((line for line in lines if re.search(r"\b(error|fatal)\s*:", line, re.I)),
+                 None)
+    if found:
+        return found
+    failed = next((i for i, line in enumerate(lines) if line.startswith("FAILED:")), None)
+    if failed is not None:  # (ninja prints the command after it: its first word is the tool)
+        command = lines[failed + 1].split() if failed + 1 < len(lines) else []
+        tool = f" ({command[0]})" if command else ""
+        return f"{lines[failed]}: the compiler{tool} exited with an error and printed nothing"
     return (lines or ["compiler failed without output"])[0]
 
 
