@@ -149,7 +149,7 @@ _FLASHINFER_PLAN = {
     "rope_scale": "ja.RoPE(scaling={'type': 'linear', 'factor': f})'s",
     "q_data_type": "q_dtype= here",
     "kv_data_type": "kv_dtype= here",
-    "page_size": "the constructor's ({cls}(variant, page_size=16))",
+    "page_size": "the constructor's ({ctor})",
     "custom_mask": "BatchPrefill.plan()'s, with Variant(..., mask='custom')",
 }
 
@@ -180,12 +180,21 @@ def host_only(reason: str):
     (1.3 s of `import jitattn` on the CI machine), and its reason= needs torch 2.8."""
     trampoline = _HOST_ONLY.get(reason)
     if trampoline is None:
+        if torch.compiler.is_compiling():  # (dynamo cannot trace disable(): made eagerly, after
+            raise RuntimeError(reason)     # this graph break; fullgraph's error gives reason)
+
         def call(fn, *args):
             return fn(*args)
         try:
             trampoline = torch.compiler.disable(call, reason=reason)
-        except TypeError:  # (torch before 2.8: no reason=)
-            trampoline = torch.compiler.disable(call)
+        except TypeError:  # (torch before 2.8: no reason=, so fullgraph's error would not
+            #                give it; raising it while traced does: a graph break otherwise)
+            disabled = torch.compiler.disable(call)
+
+            def trampoline(fn, *args):
+                if torch.compiler.is_compiling():
+                    raise RuntimeError(reason)
+                return disabled(fn, *args)
         trampoline = _HOST_ONLY.setdefault(reason, trampoline)
     return trampoline
 
@@ -199,27 +208,32 @@ def _plan_with_hints(plan, signature, args, kwargs):
             signature.bind(*args, **kwargs)
         except TypeError:
             cls = type(args[0]).__name__ if args else "BatchDecode"
-            hints = [f"{name}= is {where.format(cls=cls)}"
+            ctor = f"{cls}(variant, num_levels, page_size=16)" if cls == "MultiLevelCascade" \
+                else f"{cls}(variant, page_size=16)"
+            hints = [f"{name}= is {where.format(cls=cls, ctor=ctor)}"
                      for name, where in _FLASHINFER_PLAN.items()
                      if name in kwargs and name not in signature.parameters]
-            hints += _positional_hints(signature, args, kwargs, cls)
+            hints += _positional_hints(signature, args, kwargs, ctor)
             if hints:
                 raise TypeError(f"{e}: {'; '.join(hints)} (README: porting from "
                                 f"FlashInfer)") from None
         raise
 
 
-def _positional_hints(signature, args, kwargs, cls: str) -> list:
-    """Hints for FlashInfer's positional plan() calls: page_size after head_dim (the
-    constructor's here), and a ragged plan without the page-table arguments (None here)."""
+def _positional_hints(signature, args, kwargs, ctor: str) -> list:
+    """Hints for FlashInfer's positional plan() calls over page tables: page_size after
+    head_dim (the constructor's here, ``ctor``), and a ragged plan without the page-table
+    arguments (None here)."""
     names = [n for n, p in signature.parameters.items()
              if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    ragged = bool(args) and getattr(args[0], "kv_layout", None) == "ragged"
     hints = []
-    if "kv_indptr" in names and len(args) > len(names) and names[-1] == "head_dim":
+    if "kv_indptr" in names and len(args) > len(names) and names[-1] == "head_dim" and \
+            not ragged:  # (a ragged plan has no page_size: FlashInfer's next is head_dim_vo)
         hints.append(f"the argument after head_dim ({args[len(names)]!r}) would be FlashInfer's "
-                     f"page_size, which is the constructor's here ({cls}(variant, page_size=16))")
+                     f"page_size, which is the constructor's here ({ctor})")
     at = names.index("kv_indices") if "kv_indices" in names else None
-    if at is not None and args and getattr(args[0], "kv_layout", None) == "ragged" and \
+    if at is not None and ragged and \
             "kv_indices" not in kwargs and (len(args) <= at or isinstance(args[at], int)):
         pages = ", ".join(n for n in names[1:names.index("num_qo_heads")]
                           if n.startswith(("qo_", "kv_indptr")))

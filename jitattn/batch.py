@@ -39,6 +39,15 @@ CAPACITY_MINIMUMS = {"max_batch_size": 1, "max_num_pages": 0, "max_work_items": 
 CAPACITY_NAMES = tuple(CAPACITY_MINIMUMS)
 
 
+def page_size_arg(page_size, call: str) -> int:
+    """A wrapper's page_size as an int >= 1; a layout there (FlashInfer's wrappers take it
+    second) gets a hint built on ``call``, the constructor's call up to page_size."""
+    if isinstance(page_size, str) and page_size in LAYOUTS:
+        raise TypeError(f"page_size={page_size!r}: expected an int >= 1; the layout is the "
+                        f"argument after it ({call}page_size=16, kv_layout={page_size!r}))")
+    return int_arg("page_size", page_size)
+
+
 class BatchPrefill:
     """Prefill (any number of queries per request) over a paged KV cache, for one Variant.
 
@@ -73,11 +82,7 @@ class BatchPrefill:
                  split_kv: bool = True, query_tile: str = "auto"):
         if not isinstance(variant, Variant):
             raise not_a_variant(variant, type(self).__name__)
-        if isinstance(page_size, str) and page_size in LAYOUTS:  # (FlashInfer's 2nd argument)
-            raise TypeError(f"page_size={page_size!r}: expected an int >= 1; the layout is "
-                            f"the argument after it ({type(self).__name__}(variant, "
-                            f"page_size=16, kv_layout={page_size!r}))")
-        page_size = int_arg("page_size", page_size)
+        page_size = page_size_arg(page_size, type(self).__name__ + "(variant, ")
         if kv_layout not in LAYOUTS:
             raise ValueError(f"kv_layout={kv_layout!r}: expected one of {LAYOUTS}")
         if query_tile not in QUERY_TILES:

@@ -101,7 +101,12 @@ def _first_error(log: str) -> str:
         return found
     failed = next((i for i, line in enumerate(lines) if line.startswith("FAILED:")), None)
     if failed is not None:  # (ninja prints the command after it: its first word is the tool)
-        command = lines[failed + 1].split() if failed + 1 < len(lines) else []
+        if failed + 2 < len(lines):  # what the compiler or the shell said ("Killed", ...)
+            return f"{lines[failed]}: {lines[failed + 2]}"
+        try:
+            command = shlex.split(lines[failed + 1]) if failed + 1 < len(lines) else []
+        except ValueError:  # (unbalanced quotes)
+            command = []
         tool = f" ({command[0]})" if command else ""
         return f"{lines[failed]}: the compiler{tool} exited with an error and printed nothing"
     return (lines or ["compiler failed without output"])[0]

@@ -24,7 +24,7 @@ import torch
 from . import masks as masks_mod
 from . import launch, ops
 from .args import bool_arg, int_arg, not_a_variant, planner, reject_run_kwargs, resolve_device
-from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors
+from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors, page_size_arg
 from .batch_inputs import check_batch
 from .merge import merge_states_into
 from .shared_prefix import layout_features
@@ -36,6 +36,7 @@ class MultiLevelCascade:
     layer. page_size, kv_layout, device and capacities as for BatchPrefill."""
 
     _LEVEL_KEYWORDS = CAPACITY_NAMES + ("split_kv", "query_tile")  # passed on to the levels
+    _CALL = "{cls}(variant, num_levels, "  # the constructor's call up to page_size (hints)
 
     def __init__(self, variant: Variant, num_levels: int, page_size: int = 16,
                  kv_layout: str = "NHD", *, device=None, **capacities):
@@ -48,6 +49,7 @@ class MultiLevelCascade:
         if not isinstance(variant, Variant):
             raise not_a_variant(variant, type(self).__name__)
         num_levels = int_arg("num_levels", num_levels)
+        page_size = page_size_arg(page_size, self._CALL.format(cls=type(self).__name__))
         if variant.mask not in ("none", "causal"):
             raise ValueError(f"cascade levels take variants with mask 'none' or 'causal', got "
                              f"{variant.mask!r}")
@@ -79,7 +81,9 @@ class MultiLevelCascade:
         for name, arg in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
                           ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
             if not isinstance(arg, (list, tuple)) or len(arg) != n:
-                raise ValueError(f"{name} must be a list of {n} tensors (one per level)")
+                none = " (None for a ragged layout)" if name in ("kv_indices",
+                                                                 "kv_last_page_len") else ""
+                raise ValueError(f"{name} must be a list of {n} tensors{none}, one per level")
         sized = isinstance(q_rows, (list, tuple)) or (
             isinstance(q_rows, (torch.Tensor, np.ndarray)) and q_rows.ndim == 2)
         if q_rows is not None and (not sized or len(q_rows) != n):
@@ -217,6 +221,7 @@ class CascadeDecode(MultiLevelCascade):
     new plans, fix the strategy ("cascade" or "plain"), since "auto" may switch between them."""
 
     _LEVEL_KEYWORDS = CAPACITY_NAMES + ("split_kv",)  # (decode: no query_tile)
+    _CALL = "{cls}(variant, "
 
     def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD", *,
                  strategy: str = "auto", device=None, **capacities):

@@ -82,6 +82,7 @@ def test_key_follows_the_compilers_banner_through_a_wrapper(fresh_cache, tmp_pat
 @pytest.mark.parametrize("script, expected", [
     ('echo "cc1plus: fatal error: no space left" >&2; exit 1', "cc1plus: fatal error: no space"),
     ("exit 1", "FAILED: "),  # (newer ninjas add "[code=1]" before the target)
+    ('echo "Segmentation fault (core dumped)" >&2; exit 139', "FAILED: "),
     ('echo "ninja: no error-here" >&2; echo "kernel.cpp:3:5: error: x was not declared" >&2; '
      "exit 1", "kernel.cpp:3:5: error: x was not declared")])
 def test_compile_error_names_the_compilers_failure(fresh_cache, tmp_path, monkeypatch, script,
@@ -103,6 +104,8 @@ def test_compile_error_names_the_compilers_failure(fresh_cache, tmp_path, monkey
     if script == "exit 1":  # (it said only "FAILED: kernel.so")
         assert info.value.message.endswith(f"the compiler ({compiler}) exited with an error "
                                            f"and printed nothing")
+    if "Segmentation" in script:  # (not "printed nothing": what it printed)
+        assert info.value.message.endswith(": Segmentation fault (core dumped)")
 
 
 def test_truncated_binary_is_rebuilt(fresh_cache):

@@ -509,3 +509,30 @@ def test_flashinfer_shaped_constructor_and_run_calls_get_hints():
         ragged.run(q.to("meta"), (k, k))
     torch.testing.assert_close(ragged.run(q, (k, k)).float(),
                                ja.attention(q, k, k, causal).float(), rtol=0, atol=0)
+
+
+def test_flashinfer_hints_name_the_right_constructor_and_only_where_they_apply():
+    """Review of the hints: MultiLevelCascade's needs num_levels (the hint suggested a call
+    that fails); the cascades' layout hint named BatchPrefill; a ragged plan has no page_size,
+    so an argument after head_dim is not one."""
+    i32 = dict(dtype=torch.int32)
+    causal = ja.Variant("c", mask="causal")
+    ml = ja.MultiLevelCascade(causal, 2, device="cpu")
+    with pytest.raises(TypeError, match=r"MultiLevelCascade\(variant, num_levels, "
+                                        r"page_size=16\)"):
+        ml.plan([], [], [], [], 4, 2, 64, page_size=16)
+    with pytest.raises(TypeError, match=r"\(CascadeDecode\(variant, page_size=16, "
+                                        r"kv_layout='NHD'\)\)"):
+        ja.CascadeDecode(causal, "NHD", device="cpu")
+    with pytest.raises(TypeError, match=r"\(MultiLevelCascade\(variant, num_levels, "
+                                        r"page_size=16, kv_layout='HND'\)\)"):
+        ja.MultiLevelCascade(causal, 2, "HND", device="cpu")
+    ragged = ja.BatchPrefill(causal, kv_layout="ragged", device="cpu")
+    qo, kv = torch.tensor([0, 3], **i32), torch.tensor([0, 5], **i32)
+    with pytest.raises(TypeError) as extra:
+        ragged.plan(qo, kv, None, None, 4, 2, 64, 64)
+    assert "page_size" not in str(extra.value)
+    with pytest.raises(ValueError, match=r"kv_indices must be a list of 2 tensors \(None for a "
+                                         r"ragged layout\), one per level"):
+        ja.MultiLevelCascade(causal, 2, kv_layout="ragged", device="cpu").plan(
+            [qo, qo], [kv, kv], None, [None, None], 4, 2, 64)

@@ -244,9 +244,9 @@ def test_oversized_plans_are_refused_before_their_arrays_are_built():
 
 def test_capacity_errors_read_the_same_from_every_planner():
     """SharedPrefixPrefill refuses a strategy before building its arrays with the message that
-    BatchPrefill.plan() gives for the same capacity (one wording, args.over_capacity): its
-    early copy of the messages had drifted (" given to the constructor" missing from the
-    mask's)."""
+    BatchPrefill.plan() gives for the same capacity (one wording, args.over_capacity): the two
+    copies had drifted (masks.py's mask-bytes and item-tokens messages lacked " given to the
+    constructor")."""
     p, suffixes, hq, hkv, d = 40, [3, 5], 4, 2, 64
     n = p + sum(suffixes)
     for strategy, name, needed in (("custom_mask", "max_mask_bytes", -(-n * n // 8)),
