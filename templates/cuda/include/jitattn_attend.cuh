@@ -683,7 +683,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
           // wgmma wait up within its basic block, here to the softmax's start, which then ran
           // after the product instead of under it (SASS, session 19). The wait is therefore
           // placed after a branch that the softmax's sums decide (a NaN sum takes the
-          // rescaling path, exact for any factor): it cannot move above them.
+          // rescaling path, exact whenever it runs): it cannot move above them.
           if constexpr (WGMMA) exponentiate(sum);
           auto wait_product = [&] {
             if constexpr (WGMMA) {
