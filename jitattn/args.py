@@ -154,6 +154,29 @@ _FLASHINFER_PLAN = {
 }
 
 
+# keywords of FlashInfer's wrapper constructors that jitattn's do not take, and why
+_FLASHINFER_CTOR = {
+    "use_cuda_graph": "not needed: run() can always be captured in a CUDA graph (the "
+                      "constructor's capacities size the wrapper's buffers)",
+    "use_tensor_cores": "chosen per device: the kernels always run on tensor cores",
+    "backend": "chosen per device (wgmma on sm_90a, mma.sync elsewhere)",
+    "jit_args": "the Variant's (Variant(..., score_mod=, mask_mod=))",
+}
+
+
+def unexpected_keywords(owner: str, unknown, accepted) -> TypeError:
+    """The TypeError for constructor keywords ``owner`` does not take, listing ``accepted`` and
+    saying where FlashInfer's constructor keywords (buffers, use_cuda_graph, ...) went."""
+    unknown = sorted(unknown)
+    hints = [f"{name}= is {_FLASHINFER_CTOR[name]}" for name in unknown
+             if name in _FLASHINFER_CTOR]
+    hints += [f"{name}= is the wrapper's own buffer, sized by the capacities (max_batch_size=, "
+              f"max_num_pages=, ...)" for name in unknown if name.endswith(("_buf", "_buffer"))]
+    hint = f" ({'; '.join(hints)}; README: porting from FlashInfer)" if hints else ""
+    return TypeError(f"{owner}() got unexpected keyword arguments {unknown}; it takes "
+                     f"{list(accepted)}{hint}")
+
+
 def planner(plan):
     """A wrapper's plan(): host work that torch.compile must not trace (dynamo traced the
     planner's numpy and failed inside it), and that raises, for a keyword it does not take that

@@ -23,7 +23,7 @@ import torch
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
 from .args import bool_arg, int_arg, kv_scales, not_a_variant, planner, reject_run_kwargs, \
-    resolve_device
+    resolve_device, unexpected_keywords
 from .batch_inputs import check_batch
 from .plan import Plan, make_plan
 from .render import QUERY_TILES, query_kind, tiles_for
@@ -79,7 +79,9 @@ class BatchPrefill:
                  device=None, max_batch_size: int = 4096, max_num_pages: int = 1 << 20,
                  max_work_items: int = 1 << 16, max_partial_rows: int = 1 << 14,
                  max_mask_bytes: int = 1 << 24, max_item_tokens: int = 1 << 20,
-                 split_kv: bool = True, query_tile: str = "auto"):
+                 split_kv: bool = True, query_tile: str = "auto", **flashinfer):
+        if flashinfer:  # (FlashInfer's constructor keywords get a hint)
+            raise unexpected_keywords(type(self).__name__, flashinfer, _PREFILL_KEYWORDS)
         if not isinstance(variant, Variant):
             raise not_a_variant(variant, type(self).__name__)
         page_size = page_size_arg(page_size, type(self).__name__ + "(variant, ")
@@ -370,8 +372,11 @@ def _cache_tensors(kv_cache) -> list:
 
 
 # BatchDecode's keywords: BatchPrefill's but query_tile
-_DECODE_KEYWORDS = tuple(name for name in inspect.signature(BatchPrefill.__init__).parameters
-                         if name not in ("self", "variant", "query_tile"))
+# the constructors' keywords: BatchPrefill's, and BatchDecode's (those but query_tile)
+_PREFILL_KEYWORDS = tuple(name for name, p in inspect.signature(BatchPrefill.__init__).parameters
+                          .items() if name not in ("self", "variant")
+                          and p.kind is not inspect.Parameter.VAR_KEYWORD)
+_DECODE_KEYWORDS = tuple(name for name in _PREFILL_KEYWORDS if name != "query_tile")
 
 
 class BatchDecode(BatchPrefill):
@@ -388,10 +393,9 @@ class BatchDecode(BatchPrefill):
         if "query_tile" in kwargs:
             raise TypeError("BatchDecode takes no query_tile: one query per request always "
                             "runs on the decode kernel's tiles")
-        unknown = sorted(set(kwargs) - set(_DECODE_KEYWORDS))
-        if unknown:  # (else Python names BatchPrefill.__init__)
-            raise TypeError(f"BatchDecode() got unexpected keyword arguments {unknown}; it "
-                            f"takes {list(_DECODE_KEYWORDS)}")
+        unknown = set(kwargs) - set(_DECODE_KEYWORDS)
+        if unknown:  # (else BatchPrefill's would name itself)
+            raise unexpected_keywords("BatchDecode", unknown, _DECODE_KEYWORDS)
         super().__init__(variant, page_size, kv_layout, **kwargs)
         if variant.mask not in ("none", "causal"):
             raise ValueError(f"BatchDecode takes variants with mask 'none' or 'causal'; "

@@ -23,7 +23,8 @@ import torch
 
 from . import masks as masks_mod
 from . import launch, ops
-from .args import bool_arg, int_arg, not_a_variant, planner, reject_run_kwargs, resolve_device
+from .args import bool_arg, int_arg, not_a_variant, planner, reject_run_kwargs, resolve_device, \
+    unexpected_keywords
 from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors, page_size_arg
 from .batch_inputs import check_batch
 from .merge import merge_states_into
@@ -40,12 +41,12 @@ class MultiLevelCascade:
 
     def __init__(self, variant: Variant, num_levels: int, page_size: int = 16,
                  kv_layout: str = "NHD", *, device=None, **capacities):
-        unknown = sorted(set(capacities) - set(self._LEVEL_KEYWORDS))
+        unknown = set(capacities) - set(self._LEVEL_KEYWORDS)
         if unknown:  # (else Python names BatchPrefill.__init__)
             named = [n for n, p in inspect.signature(type(self).__init__).parameters.items()
                      if p.default is not inspect.Parameter.empty]
-            raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments "
-                            f"{unknown}; it takes {named + list(self._LEVEL_KEYWORDS)}")
+            raise unexpected_keywords(type(self).__name__, unknown,
+                                      named + list(self._LEVEL_KEYWORDS))
         if not isinstance(variant, Variant):
             raise not_a_variant(variant, type(self).__name__)
         num_levels = int_arg("num_levels", num_levels)

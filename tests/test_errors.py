@@ -536,3 +536,24 @@ def test_flashinfer_hints_name_the_right_constructor_and_only_where_they_apply()
                                          r"ragged layout\), one per level"):
         ja.MultiLevelCascade(causal, 2, kv_layout="ragged", device="cpu").plan(
             [qo, qo], [kv, kv], None, [None, None], 4, 2, 64)
+
+
+def test_flashinfer_constructor_keywords_say_where_they_went():
+    """FlashInfer's wrapper constructors take use_cuda_graph, use_tensor_cores, backend and
+    preallocated *_buf / *_buffer tensors; jitattn's gave Python's bare "unexpected keyword
+    argument" (BatchPrefill) or a list of its own keywords with no word on those."""
+    causal = ja.Variant("c", mask="causal")
+    with pytest.raises(TypeError, match=r"BatchPrefill\(\) got unexpected keyword arguments "
+                                        r"\['paged_kv_indptr_buf', 'use_cuda_graph'\]; it takes "
+                                        r"\['page_size', .*'query_tile'\] \(use_cuda_graph= is "
+                                        r"not needed.*paged_kv_indptr_buf= is the wrapper's own "
+                                        r"buffer"):
+        ja.BatchPrefill(causal, device="cpu", use_cuda_graph=True,
+                        paged_kv_indptr_buf=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"use_tensor_cores= is chosen per device"):
+        ja.BatchDecode(causal, device="cpu", use_tensor_cores=True)
+    with pytest.raises(TypeError, match=r"backend= is chosen per device"):
+        ja.MultiLevelCascade(causal, 2, device="cpu", backend="fa3")
+    with pytest.raises(TypeError) as plain:  # (a misspelling gets the list, no FlashInfer word)
+        ja.BatchPrefill(causal, device="cpu", max_batch=8)
+    assert "FlashInfer" not in str(plain.value) and "'max_batch_size'" in str(plain.value)
