@@ -151,6 +151,10 @@ _FLASHINFER_PLAN = {
     "kv_data_type": "kv_dtype= here",
     "page_size": "the constructor's ({ctor})",
     "custom_mask": "BatchPrefill.plan()'s, with Variant(..., mask='custom')",
+    "data_type": "q_dtype= / kv_dtype= here",
+    "non_blocking": "not needed: plan() copies its schedule to the device asynchronously",
+    "head_dim_qk": "head_dim= here (one head_dim for q, k and v)",
+    "head_dim_vo": "head_dim= here (one head_dim for q, k and v)",
 }
 
 

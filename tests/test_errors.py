@@ -557,3 +557,16 @@ def test_flashinfer_constructor_keywords_say_where_they_went():
     with pytest.raises(TypeError) as plain:  # (a misspelling gets the list, no FlashInfer word)
         ja.BatchPrefill(causal, device="cpu", max_batch=8)
     assert "FlashInfer" not in str(plain.value) and "'max_batch_size'" in str(plain.value)
+
+
+def test_more_flashinfer_plan_keywords_get_hints():
+    """data_type=, non_blocking= and head_dim_qk= / head_dim_vo= (FlashInfer's plan()) were
+    Python's bare "unexpected keyword argument" (a new user's port)."""
+    i32 = dict(dtype=torch.int32)
+    decode = ja.BatchDecode(ja.Variant("c", mask="causal"), device="cpu")
+    args = (torch.tensor([0, 1], **i32), torch.tensor([0], **i32), torch.tensor([3], **i32), 4, 2)
+    for kwargs, text in ((dict(head_dim=64, data_type=torch.float16), "data_type= is q_dtype="),
+                         (dict(head_dim=64, non_blocking=True), "non_blocking= is not needed"),
+                         (dict(head_dim_qk=64), "head_dim_qk= is head_dim= here")):
+        with pytest.raises(TypeError, match=text):
+            decode.plan(*args, **kwargs)
