@@ -296,9 +296,12 @@ def test_a_captured_parameter_that_requires_grad_compiles_for_inference():
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
-def test_host_only_gives_its_reason_where_torch_compiler_disable_takes_none(monkeypatch):
-    """torch before 2.8 has no torch.compiler.disable(reason=): the fallback dropped the
-    reason, and fullgraph's error no longer said what to do. It now raises it while traced."""
+@pytest.mark.parametrize("reason_keyword", [True, False], ids=["torch>=2.8", "torch<2.8"])
+def test_a_first_host_only_call_inside_fullgraph_gives_its_reason(monkeypatch, reason_keyword):
+    """The trampoline is made at its first use; made while dynamo traced (the first plan() of
+    a process inside torch.compile), fullgraph failed on torch.compiler.disable itself. And
+    torch before 2.8 has no disable(reason=): the fallback dropped the reason. Both now raise
+    the reason while traced (a graph break without fullgraph, after which it is made)."""
     from jitattn import args
     real = torch.compiler.disable
 
@@ -306,24 +309,8 @@ def test_host_only_gives_its_reason_where_torch_compiler_disable_takes_none(monk
         if "reason" in kwargs:
             raise TypeError("disable() got an unexpected keyword argument 'reason'")
         return real(fn, recursive=recursive)
-    monkeypatch.setattr(torch.compiler, "disable", disable_without_reason)
-    monkeypatch.setattr(args, "_HOST_ONLY", {})
-    reason = "build the thing outside torch.compile(fullgraph=True) first"
-
-    def step(x):
-        args.host_only(reason)(lambda: None)
-        return x + 1
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match=re.escape(reason)):
-        torch.compile(step, backend="aot_eager", fullgraph=True)(torch.ones(2))
-    torch._dynamo.reset()
-    assert torch.compile(step, backend="aot_eager")(torch.ones(2)).eq(2).all()
-
-
-def test_a_first_host_only_call_inside_fullgraph_gives_its_reason(monkeypatch):
-    """The trampoline is made at its first use; made while dynamo traced (the first plan() of
-    a process inside torch.compile), fullgraph failed on torch.compiler.disable itself."""
-    from jitattn import args
+    if not reason_keyword:
+        monkeypatch.setattr(torch.compiler, "disable", disable_without_reason)
     monkeypatch.setattr(args, "_HOST_ONLY", {})
     reason = "plan outside the compiled function"
 
@@ -336,3 +323,7 @@ def test_a_first_host_only_call_inside_fullgraph_gives_its_reason(monkeypatch):
     torch._dynamo.reset()
     assert torch.compile(step, backend="aot_eager")(torch.ones(2)).eq(2).all()
     assert reason in args._HOST_ONLY  # (made eagerly after the graph break)
+    if not reason_keyword:  # once made, a traced call raises the reason too
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=re.escape(reason)):
+            torch.compile(step, backend="aot_eager", fullgraph=True)(torch.ones(2))
