@@ -235,8 +235,9 @@ def _plan_with_hints(plan, signature, args, kwargs):
             signature.bind(*args, **kwargs)
         except TypeError:
             cls = type(args[0]).__name__ if args else "BatchDecode"
-            ctor = f"{cls}(variant, num_levels, page_size=16)" if cls == "MultiLevelCascade" \
-                else f"{cls}(variant, page_size=16)"
+            # (the constructor's call up to page_size: a wrapper's _CALL, e.g. the cascades')
+            call = getattr(type(args[0]), "_CALL", "{cls}(variant, ") if args else "{cls}(variant, "
+            ctor = call.format(cls=cls) + "page_size=16)"
             hints = [f"{name}= is {where.format(cls=cls, ctor=ctor)}"
                      for name, where in _FLASHINFER_PLAN.items()
                      if name in kwargs and name not in signature.parameters]
