@@ -679,23 +679,27 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
                 }
           };
           [[maybe_unused]] float sum[2] = {0.f, 0.f};
-          // WGMMA: P first, while the previous product (O += P V) finishes. ptxas moves a
-          // wgmma wait up within its basic block, here to the softmax's start, which then ran
-          // after the product instead of under it (SASS, session 19). The wait is therefore
-          // placed after a branch that the softmax's sums decide (a NaN sum takes the
-          // rescaling path, exact whenever it runs): it cannot move above them.
-          if constexpr (WGMMA) exponentiate(sum);
-          auto wait_product = [&] {
-            if constexpr (WGMMA) {
+          if constexpr (WGMMA) {
+            // P first, while the previous product (O += P V) finishes, then the wait for it.
+            // ptxas moves a wgmma wait up within its basic block (here to the softmax's
+            // start, so that the softmax ran after the product instead of under it: SASS,
+            // session 19), so the wait sits in a block of its own: a loop whose trip count
+            // both rows' sums decide (always 1: a sum of exponentials is never negative; with
+            // one row's only, ptxas moved half the sums' adds after the wait). A branch around
+            // the wait would not do: every thread of the warpgroup must execute the same
+            // wgmma.wait_group (PTX ISA), and a warp-level branch is not the warpgroup's.
+            exponentiate(sum);
+            const int trips = 1 + __any_sync(0xffffffffu, fminf(sum[0], sum[1]) < 0.f);
+#pragma unroll 1
+            for (int i = 0; i < trips; ++i) {
               wgmma_wait<0>();
               wgmma_hold(*reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]));
             }
-          };
+          }
           // O and l are rescaled only when some row's max grew in this warp: otherwise every
           // factor is exactly 1, or the row has seen nothing and O, l are still 0. After the
           // first tiles the max rarely grows, so most tiles skip the ND * 4 multiplies.
-          if (__any_sync(0xffffffffu, grew || (WGMMA && !(sum[0] >= 0.f && sum[1] >= 0.f)))) {
-            wait_product();
+          if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               l[mt][h] *= alpha[h];
@@ -706,7 +710,6 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
               }
             }
           }
-          wait_product();
           if constexpr (WGMMA) {
             l[mt][0] += sum[0];
             l[mt][1] += sum[1];
