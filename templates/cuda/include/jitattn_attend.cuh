@@ -464,6 +464,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     // one tile of the loop. FIRST (WGMMA only): tile 0, which has no previous product to
     // issue; a separate instantiation, since a branch between the wgmmas would make ptxas
     // serialize them (warning C7520)
+    // WGMMA: whether K of the next tile and V of this one have landed, probed before this
+    // tile's P is packed (trace build: two waits in turn took about 200 cycles a tile)
+    [[maybe_unused]] bool kv_landed = false;
     auto step = [&](const int tile, auto first) {
       [[maybe_unused]] constexpr bool FIRST = decltype(first)::value;
       if constexpr (!WGMMA) {  // (WGMMA: copied at the end of the previous tile, see below)
@@ -476,9 +479,11 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       }
       [[maybe_unused]] const int G = gt + tile;  // WGMMA
       if constexpr (WGMMA) {
-        mbar_wait(&full_k[G % STAGES], (G / STAGES) & 1);  // K of tile `tile` has landed
-        if constexpr (!FIRST)  // and V of the one before, for the product issued with S
-          mbar_wait(&full_v[(G - 1) % STAGES], ((G - 1) / STAGES) & 1);
+        if (!kv_landed) {  // (the previous tile's probe did not see both land)
+          mbar_wait(&full_k[G % STAGES], (G / STAGES) & 1);  // K of tile `tile` has landed
+          if constexpr (!FIRST)  // and V of the one before, for the product issued with S
+            mbar_wait(&full_v[(G - 1) % STAGES], ((G - 1) / STAGES) & 1);
+        }
         fence_proxy_async();
       } else {
         cp_async_wait<STAGES - 1>();  // tile `tile` has landed
@@ -731,6 +736,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         wgmma_wait<0>();  // (sigmoid: the previous product no longer reads pa_prev)
         wgmma_hold(*reinterpret_cast<float(*)[ND * 4]>(&o[0][0][0]));
         if constexpr (!FIRST) mbar_arrive(&empty_v[(G - 1) % STAGES]);
+        const bool k_in = mbar_test(&full_k[(G + 1) % STAGES], ((G + 1) / STAGES) & 1);
+        const bool v_in = mbar_test(&full_v[G % STAGES], (G / STAGES) & 1);
+        kv_landed = (tile + 1 < num_tiles) & k_in & v_in;
 #pragma unroll
         for (int kk = 0; kk < KEYS_WARP / 16; ++kk) {
           pack_p(0, kk, pa_prev[kk]);

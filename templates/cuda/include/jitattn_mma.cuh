@@ -118,6 +118,15 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
 }
+// whether the phase of `parity` has completed, without waiting (the answer returns while the
+// thread goes on: a probe issued early hides the barrier's latency from a later wait)
+__device__ __forceinline__ bool mbar_test(unsigned long long* bar, int parity) {
+  unsigned done;
+  asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+               "selp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+  return done != 0;
+}
 // one arrival on the mbarrier once this thread's earlier cp.async copies have landed (the
 // barrier's count includes it)
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(unsigned long long* bar) {
