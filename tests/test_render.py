@@ -198,6 +198,19 @@ def test_wide_kv_tiles_only_for_plain_causal_and_full_variants():
         == tiles(ja.Variant("s", mask="none", score_mod=lambda s, b, h, q, k: s)) == 128
 
 
+def _cubin(src, tmp: str) -> tuple[str, str]:
+    """nvcc's -Xptxas -v log of ``src`` (a render.render_cuda result) built to a cubin in
+    ``tmp``, and the cubin's path."""
+    path = os.path.join(tmp, "k.cu")
+    with open(path, "w") as f:
+        f.write(src.code)
+    cmd = [shutil.which("nvcc"), *build.flags("cuda", "sm_90a"), "-Xptxas", "-v",
+           "-cubin", path, "-o", path + ".cubin", *(f"-I{d}" for d in src.include_dirs)]
+    log = subprocess.run(cmd, capture_output=True, text=True)
+    assert log.returncode == 0, log.stderr[-2000:]
+    return log.stderr, path + ".cubin"
+
+
 @needs_nvcc
 @pytest.mark.parametrize("mask, dtype_tag, head_dim", [("causal", "bf16", 128),
                                                       ("none", "f16", 128),
@@ -213,17 +226,40 @@ def test_wide_kv_tile_kernels_do_not_spill(mask, dtype_tag, head_dim):
                                  arch="sm_90a", shared_kv=shared_kv)
         assert src.tiles.kv_tile == 192
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "k.cu")
-            with open(path, "w") as f:
-                f.write(src.code)
-            cmd = [shutil.which("nvcc"), *build.flags("cuda", "sm_90a"), "-Xptxas", "-v",
-                   "-cubin", path, "-o", path + ".cubin",
-                   *(f"-I{d}" for d in src.include_dirs)]
-            log = subprocess.run(cmd, capture_output=True, text=True)
-        assert log.returncode == 0, log.stderr[-2000:]
-        spills = re.findall(r"(\d+) bytes spill stores", log.stderr)
-        assert spills and all(x == "0" for x in spills), (shared_kv, log.stderr[-1000:])
-        assert "are serialized" not in log.stderr, (shared_kv, log.stderr[-1000:])
+            log, _ = _cubin(src, tmp)
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        assert spills and all(x == "0" for x in spills), (shared_kv, log[-1000:])
+        assert "are serialized" not in log, (shared_kv, log[-1000:])
+
+
+@pytest.mark.gpu  # (needs no GPU, but cuobjdump, which the device's CUDA toolkit has)
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cuobjdump") is None,
+                    reason="nvcc or cuobjdump not installed")
+@pytest.mark.parametrize("mask", ["causal", "none"])
+def test_softmax_runs_under_the_previous_product_in_sass(mask):
+    """The wgmma prefill (sm_90a, head_dim 128, 192-key tiles) waits for the previous tile's
+    O += P V (WARPGROUP.DEPBAR.LE gsb0, 0x0) after the softmax's exponentials, so that the
+    softmax runs under the product: ptxas moves a wgmma wait up within its basic block and had
+    put it at the softmax's start (docs/performance.md, session 19). Between the wait for S
+    (gsb0, 0x1) and the next full wait, the unmasked tiles' path holds all 96 MUFU.EX2 of a
+    thread's 96 scores."""
+    for shared_kv in (False, True):
+        src = render.render_cuda(ja.Variant("wide", mask=mask), kind="prefill",
+                                 dtype_tag="f16", head_dim=128, arch="sm_90a",
+                                 shared_kv=shared_kv)
+        with tempfile.TemporaryDirectory() as tmp:
+            _, cubin = _cubin(src, tmp)
+            sass = subprocess.run([shutil.which("cuobjdump"), "-sass", cubin],
+                                  capture_output=True, text=True, check=True).stdout
+        counts, n = [], None  # MUFU.EX2 between each wait for S and the next full wait
+        for line in sass.splitlines():
+            if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+                n = 0
+            elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and n is not None:
+                counts, n = counts + [n], None
+            elif n is not None and "MUFU.EX2" in line:
+                n += 1
+        assert counts and max(counts) >= 96, (shared_kv, counts)
 
 
 def test_tma_kernels_take_the_maps_last():

@@ -688,11 +688,13 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
             // P first, while the previous product (O += P V) finishes, then the wait for it.
             // ptxas moves a wgmma wait up within its basic block (here to the softmax's
             // start, so that the softmax ran after the product instead of under it: SASS,
-            // session 19), so the wait sits in a block of its own: a loop whose trip count
-            // both rows' sums decide (always 1: a sum of exponentials is never negative; with
-            // one row's only, ptxas moved half the sums' adds after the wait). A branch around
-            // the wait would not do: every thread of the warpgroup must execute the same
-            // wgmma.wait_group (PTX ISA), and a warp-level branch is not the warpgroup's.
+            // session 19), so the wait sits in a block of its own, the body of a loop of one
+            // trip. Its trip count tests both rows' sums (never negative: always 1); ptxas
+            // proves the test false, but keeps the loop, and with both sums in the test it
+            // keeps their adds above the wait (with one row's, it moved half of them after
+            // it). A branch around the wait would not do: every thread of the warpgroup must
+            // execute the same wgmma.wait_group (PTX ISA), and a warp-level branch is not the
+            // warpgroup's. (tests/test_render.py checks the order in SASS.)
             exponentiate(sum);
             const int trips = 1 + __any_sync(0xffffffffu, fminf(sum[0], sum[1]) < 0.f);
 #pragma unroll 1

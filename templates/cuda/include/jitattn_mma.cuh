@@ -118,8 +118,8 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
 }
-// whether the phase of `parity` has completed, without waiting (the answer returns while the
-// thread goes on: a probe issued early hides the barrier's latency from a later wait)
+// whether the phase of `parity` has completed, without waiting (a probe made early lets a later
+// step skip its wait when the phase had completed by then)
 __device__ __forceinline__ bool mbar_test(unsigned long long* bar, int parity) {
   unsigned done;
   asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
