@@ -23,8 +23,8 @@ import torch
 
 from . import masks as masks_mod
 from . import launch, ops
-from .args import bool_arg, int_arg, not_a_variant, planner, reject_run_kwargs, resolve_device, \
-    unexpected_keywords
+from .args import bool_arg, int_arg, not_a_variant, over_capacity, planner, reject_run_kwargs, \
+    resolve_device, unexpected_keywords
 from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors, page_size_arg
 from .batch_inputs import check_batch
 from .merge import merge_states_into
@@ -331,22 +331,21 @@ class CascadeDecode(MultiLevelCascade):
         """Every request's page table: the prefix's pages, then its own (host int32 tensors,
         checked by plan())."""
         batch, n = len(indptr) - 1, len(shared)
+        own_pages = int(indptr[-1])
+        too_many = over_capacity(self.plain.capacity, "max_num_pages", batch * n + own_pages)
+        if too_many:
+            raise ValueError(f"strategy 'plain': {too_many} (plain decode lists the prefix's "
+                             f"{n} pages in each of the {batch} requests' tables, before their "
+                             f"own {own_pages})")
         own = torch.diff(indptr)
         tables = [torch.cat([shared, indices[int(indptr[b]):int(indptr[b + 1])]])
                   for b in range(batch)]
         full_last = torch.where(own > 0, last, torch.full_like(last, self.page_size if n else 0))
-        try:
-            self.plain.plan(torch.cat([torch.zeros(1, dtype=torch.int32),
-                                       torch.cumsum(own + n, 0, dtype=torch.int32)]),
-                            torch.cat(tables) if tables else torch.zeros(0, dtype=torch.int32),
-                            full_last, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
-                            sm_scale=sm_scale)
-        except ValueError as e:
-            if "max_num_pages" not in str(e):
-                raise
-            raise ValueError(f"strategy 'plain': {e} (plain decode lists the prefix's {n} "
-                             f"pages in each of the {batch} requests' tables, before their "
-                             f"own {len(indices)})") from None
+        self.plain.plan(torch.cat([torch.zeros(1, dtype=torch.int32),
+                                   torch.cumsum(own + n, 0, dtype=torch.int32)]),
+                        torch.cat(tables) if tables else torch.zeros(0, dtype=torch.int32),
+                        full_last, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
+                        sm_scale=sm_scale)
 
     def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False, **params):
         """Attention of q [batch, heads, head_dim] over the shared prefix and each request's

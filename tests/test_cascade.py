@@ -220,6 +220,14 @@ def test_auto_takes_plain_decode_when_the_prefix_is_short():
     with pytest.raises(ValueError, match="page boundary"):
         ja.CascadeDecode(variant, page_size=page_size, strategy="plain",
                          device="cpu").plan(*partial)
+    # plain lists the prefix's 3 pages in each of the 3 tables: 9 + 5 pages, over a capacity
+    # of 7 that the cascade's levels fit (auto takes the cascade there)
+    small = dict(page_size=page_size, device="cpu", max_num_pages=7)
+    with pytest.raises(ValueError, match=r"strategy 'plain': the batch uses 14 pages, more "
+                                         r"than max_num_pages=7 .* prefix's 3 pages in each of "
+                                         r"the 3 requests' tables, before their own 5"):
+        ja.CascadeDecode(variant, strategy="plain", **small).plan(*args)
+    assert ja.CascadeDecode(variant, **small).plan(*args) == "cascade"
 
 
 def test_auto_follows_its_latest_choice_and_fills_output_buffers():
@@ -390,7 +398,8 @@ def test_every_strategy_checks_the_plan_arguments_alike(strategy):
     cd.plan(**good)
     cache = tuple(torch.randn(8, page_size, hkv, d).half() for _ in range(2))
     assert cd.run(torch.randn(2, hq, d).half(), cache).shape == (2, hq, d)
-    with pytest.raises(ValueError, match=r"q has shape \(3, 8, 64\); the plan expects \(2, 8, 64\)"):
+    with pytest.raises(ValueError,
+                       match=r"q has shape \(3, 8, 64\); the plan expects \(2, 8, 64\)"):
         cd.run(torch.randn(3, hq, d).half(), cache)
 
 
