@@ -240,9 +240,9 @@ def test_softmax_runs_under_the_previous_product_in_sass(mask):
     """The wgmma prefill (sm_90a, head_dim 128, 192-key tiles) waits for the previous tile's
     O += P V (WARPGROUP.DEPBAR.LE gsb0, 0x0) after the softmax's exponentials, so that the
     softmax runs under the product: ptxas moves a wgmma wait up within its basic block and had
-    put it at the softmax's start (docs/performance.md, session 19). Between the wait for S
-    (gsb0, 0x1) and the next full wait, the unmasked tiles' path holds all 96 MUFU.EX2 of a
-    thread's 96 scores."""
+    put it at the softmax's start (docs/performance.md, session 19). Between the first of the
+    product's wgmmas (A from registers) and the next full wait, the unmasked tiles' path holds
+    all 96 MUFU.EX2 of a thread's 96 scores."""
     for shared_kv in (False, True):
         src = render.render_cuda(ja.Variant("wide", mask=mask), kind="prefill",
                                  dtype_tag="f16", head_dim=128, arch="sm_90a",
@@ -251,9 +251,9 @@ def test_softmax_runs_under_the_previous_product_in_sass(mask):
             _, cubin = _cubin(src, tmp)
             sass = subprocess.run([shutil.which("cuobjdump"), "-sass", cubin],
                                   capture_output=True, text=True, check=True).stdout
-        counts, n = [], None  # MUFU.EX2 between each wait for S and the next full wait
+        counts, n = [], None  # MUFU.EX2 from each product's first wgmma to the next full wait
         for line in sass.splitlines():
-            if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            if n is None and re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", line):
                 n = 0
             elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and n is not None:
                 counts, n = counts + [n], None
