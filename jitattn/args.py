@@ -185,7 +185,10 @@ def planner(plan):
     """A wrapper's plan(): host work that torch.compile must not trace (dynamo traced the
     planner's numpy and failed inside it), and that raises, for a keyword it does not take that
     FlashInfer's plan() does, a TypeError saying where that setting lives here (Python's own
-    error named only the keyword). Other calls are plan's own."""
+    error named only the keyword). Other calls are plan's own. The wrapper's last plan is
+    dropped first (its ``_drop_plan()``): after a plan() that raises, run() raises until the
+    next plan(), also when the call never reached plan's body (an argument it does not take),
+    rather than run the previous plan."""
     signature = inspect.signature(plan)
 
     @functools.wraps(plan)
@@ -227,7 +230,10 @@ def host_only(reason: str):
 
 
 def _plan_with_hints(plan, signature, args, kwargs):
-    """plan(*args, **kwargs), its TypeError for a FlashInfer keyword given a hint."""
+    """plan(*args, **kwargs), the wrapper's last plan dropped first, its TypeError for a
+    FlashInfer keyword given a hint."""
+    if args:
+        args[0]._drop_plan()
     try:
         return plan(*args, **kwargs)
     except TypeError as e:

@@ -144,7 +144,6 @@ class BatchPrefill:
         Returns the Plan (``plan.describe()`` prints it). Raises TypeError / ValueError, after
         which run() raises until the next plan() (it would otherwise run the previous plan).
         """
-        self._drop_plan()
         qo = masks_mod.host_int32("qo_indptr", qo_indptr)
         masks = dict(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
                      mask_indptr=mask_indptr, prefix_len=prefix_len,
@@ -240,10 +239,10 @@ class BatchPrefill:
         return self._planned.get("kind") if self._run_inputs is not None else None
 
     def _drop_plan(self) -> None:
-        """The last plan is gone (plan()'s first step): after a plan() that raises, run()
-        raises too, as the cascades' and SharedPrefixPrefill's do, rather than run the
-        previous plan's pages for inputs of its shapes (a CUDA graph captured earlier still
-        replays the device workspace of the last plan that succeeded)."""
+        """The last plan is gone (plan()'s first step, args.planner): after a plan() that
+        raises, run() raises too, as the cascades' and SharedPrefixPrefill's do, rather than
+        run the previous plan's pages for inputs of its shapes (a CUDA graph captured earlier
+        still replays the device workspace of the last plan that succeeded)."""
         self._run_inputs, self._launcher = None, None
 
     def _kernel_kind(self, max_qo_len: int, group: int, head_dim: int) -> str:
@@ -407,7 +406,6 @@ class BatchDecode(BatchPrefill):
              num_kv_heads: int, head_dim: int, *, q_dtype=torch.float16, kv_dtype=None,
              sm_scale: float | None = None) -> Plan:
         """As BatchPrefill.plan without qo_indptr (one query per request)."""
-        self._drop_plan()
         kv = masks_mod.host_int32("kv_indptr", kv_indptr)
         qo = np.arange(len(kv), dtype=np.int32)
         return self._plan_batch(qo, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,

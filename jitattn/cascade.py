@@ -69,6 +69,11 @@ class MultiLevelCascade:
         self._rows: list | None = None
         self._handle = ops.register_wrapper(self)  # torch.compile: the op finds us by it
 
+    def _drop_plan(self) -> None:
+        """Nothing planned (plan()'s first step, args.planner): after a plan() that raises,
+        run() raises until the next plan()."""
+        self._rows = None
+
     @planner
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, *, q_rows=None, q_dtype=torch.float16,
@@ -77,7 +82,6 @@ class MultiLevelCascade:
         tensor per level, as for BatchPrefill.plan. q_rows: per level, the rows of q its
         queries are (int tensor, length qo_indptr[-1]); default: rows 0 .. qo_indptr[-1] - 1.
         """
-        self._rows = None  # (a plan() that raises leaves none: run() raises until the next)
         n = len(self.levels)
         for name, arg in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
                           ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
@@ -256,7 +260,6 @@ class CascadeDecode(MultiLevelCascade):
         """shared_kv_indices: the prefix's pages (int32); shared_last_page_len: tokens on its
         last page. unique_*: each request's own pages, as for BatchDecode.plan. Returns the
         strategy used ("cascade" or "plain")."""
-        self._unbind_plain()
         # both strategies check every argument the same way, before anything is planned, on
         # host copies made once (the plans below read those: no second copy from the device)
         shared_kv_indices, unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len = (
@@ -316,8 +319,9 @@ class CascadeDecode(MultiLevelCascade):
             self.run = self._bound_plain = self.plain.run
         return strategy
 
-    def _unbind_plain(self) -> None:
-        """Back to the class's run() (when plan() had bound plain's), with nothing planned.
+    def _drop_plan(self) -> None:
+        """Back to the class's run() (when plan() had bound plain's), with nothing planned
+        (plan()'s first step, args.planner).
         A reference kept from a plain plan (cd.run, a partial of it, torch.compile of it) is
         plain's run(): with plain's plan dropped, it runs this wrapper's run(), so the latest
         plan whichever it chose (held weakly: the wrappers hold no cycle)."""

@@ -212,6 +212,11 @@ class SharedPrefixPrefill:
         return next((over for name, n in needs
                      if (over := over_capacity(capacity, name, n)) is not None), None)
 
+    def _drop_plan(self) -> None:
+        """Nothing planned, nothing half-planned (plan()'s first step, args.planner): after a
+        plan() that raises, run() raises until the next plan()."""
+        self._steps = []
+
     @planner
     def plan(self, prefix_len: int, suffix_lens, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, *, q_dtype=torch.float16, sm_scale: float | None = None) -> str:
@@ -220,7 +225,6 @@ class SharedPrefixPrefill:
         1 / sqrt(head_dim)). Returns the strategy used. Raises TypeError when prefix_len or an
         entry of suffix_lens is not an int (bool included), ValueError when prefix_len < 0 or a
         suffix has no token."""
-        self._steps = []  # a failed plan() leaves nothing half-planned behind
         try:
             given = list(suffix_lens)
             if any(isinstance(s, bool) for s in given):

@@ -85,7 +85,9 @@ def test_a_plan_that_raises_leaves_no_plan():
         for bad, text in ((dict(sm_scale=-1.0), "sm_scale=-1.0"),
                           (dict(kv_last_page_len=torch.tensor([5], **i32)),
                            "kv_last_page_len"),
-                          (dict(kv_indptr=torch.tensor([0, 2])), "kv_indptr")):  # int64
+                          (dict(kv_indptr=torch.tensor([0, 2])), "kv_indptr"),  # int64
+                          # (refused before plan's body: the previous plan ran on)
+                          (dict(causal=True), "causal= is the Variant's mask")):
             args = dict(kv_indptr=torch.tensor([0, 2], **i32),
                         kv_indices=torch.tensor([0, 1], **i32),
                         kv_last_page_len=torch.tensor([3], **i32), num_qo_heads=8,

@@ -230,6 +230,46 @@ def test_auto_takes_plain_decode_when_the_prefix_is_short():
     assert ja.CascadeDecode(variant, **small).plan(*args) == "cascade"
 
 
+def test_a_plan_call_refused_before_its_body_leaves_no_plan():
+    """A plan() call that Python refuses before plan's body runs (a keyword it does not take,
+    one positional argument too many: FlashInfer's page_size) leaves no plan either, for the
+    cascades and SharedPrefixPrefill: run() raises until the next plan() (it ran the previous
+    plan's pages)."""
+    i32 = dict(dtype=torch.int32)
+    variant = ja.Variant("c_refused")
+    cache = tuple(torch.randn(20, 4, 2, 64).half() for _ in range(2))
+    q = torch.randn(2, 4, 64).half()
+    decode = (torch.tensor([0, 1], **i32), 4, torch.tensor([0, 1, 3], **i32),
+              torch.tensor([2, 3, 4], **i32), torch.tensor([2, 3], **i32), 4, 2, 64)
+    for strategy in ("plain", "cascade"):
+        cd = ja.CascadeDecode(variant, page_size=4, strategy=strategy, device="cpu")
+        for bad_args, bad_kwargs in ((decode, dict(data_type=torch.float16)),
+                                     (decode + (4,), {})):
+            assert cd.plan(*decode) == strategy
+            kept = cd.run  # (under plain: plain's own run())
+            with pytest.raises(TypeError):
+                cd.plan(*bad_args, **bad_kwargs)
+            assert cd.chosen is None
+            for run in (cd.run, kept):
+                with pytest.raises(RuntimeError, match="before plan"):
+                    run(q, cache)
+    levels = ja.MultiLevelCascade(variant, 2, page_size=4, device="cpu")
+    two = ([torch.tensor([0, 2], **i32)] * 2, [torch.tensor([0, 1], **i32)] * 2,
+           [torch.tensor([0], **i32), torch.tensor([1], **i32)], [torch.tensor([4], **i32)] * 2,
+           4, 2, 64)
+    levels.plan(*two)
+    with pytest.raises(TypeError):
+        levels.plan(*two, causal=True)
+    with pytest.raises(RuntimeError, match="before plan"):
+        levels.run(q, cache)
+    sp = ja.SharedPrefixPrefill(ja.Variant("c_refused_sp", mask="causal"), "ragged", device="cpu")
+    sp.plan(5, [2, 3], 4, 2, 64)
+    with pytest.raises(TypeError):
+        sp.plan(5, [2, 3], 4, 2, 64, causal=True)
+    with pytest.raises(RuntimeError, match="before plan"):
+        sp.run(*(torch.randn(10, h, 64).half() for h in (4, 2, 2)))
+
+
 def test_auto_follows_its_latest_choice_and_fills_output_buffers():
     """A plan that switches auto from plain to the cascade (and back) runs the new choice;
     out / lse buffers are filled whichever it took (the cascade used to raise a duplicate
