@@ -27,6 +27,7 @@ from .args import bool_arg, int_arg, not_a_variant, over_capacity, planner, reje
     resolve_device, unexpected_keywords
 from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors, page_size_arg
 from .batch_inputs import check_batch
+from .emit import MAX_SEQ_LEN
 from .merge import merge_states_into
 from .shared_prefix import layout_features
 from .spec import Variant
@@ -289,9 +290,13 @@ class CascadeDecode(MultiLevelCascade):
         if strategy == "auto":
             strategy = self.choose(batch, prefix_len, num_kv_heads, head_dim,
                                    torch.empty(0, dtype=q_dtype).element_size())
-            # plain copies the prefix's pages into every request's table: it must fit
+            # plain copies the prefix's pages into every request's table: they must fit, and
+            # the longest table's keys (at most whole pages) stay below MAX_SEQ_LEN
             plain_pages = batch * shared_pages + int(unique_kv_indptr[-1])
-            if not aligned or plain_pages > self.plain.capacity["max_num_pages"]:
+            longest = (shared_pages + int(torch.diff(unique_kv_indptr).max())) * self.page_size \
+                if batch else 0
+            if not aligned or plain_pages > self.plain.capacity["max_num_pages"] or \
+                    longest >= MAX_SEQ_LEN:
                 strategy = "cascade"
         if strategy == "plain":
             if not aligned:
@@ -302,6 +307,11 @@ class CascadeDecode(MultiLevelCascade):
                              unique_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
                              q_dtype, sm_scale)
         else:
+            too_many = over_capacity(self.levels[0].capacity, "max_num_pages", shared_pages)
+            if too_many:  # (the first level's plan would blame the batch)
+                raise ValueError(f"strategy 'cascade': the shared prefix (shared_kv_indices, "
+                                 f"{shared_pages} pages) is the first level's batch, and "
+                                 f"{too_many}")
             self.levels[0].plan(torch.tensor([0, batch], **i32),
                                 torch.tensor([0, shared_pages], **i32), shared_kv_indices,
                                 torch.tensor([shared_last_page_len], **i32), num_qo_heads,

@@ -228,6 +228,22 @@ def test_auto_takes_plain_decode_when_the_prefix_is_short():
                                          r"the 3 requests' tables, before their own 5"):
         ja.CascadeDecode(variant, strategy="plain", **small).plan(*args)
     assert ja.CascadeDecode(variant, **small).plan(*args) == "cascade"
+    # the cascade's first level holds the prefix's 3 pages (the requests' own 2 fit): its
+    # error named the batch's
+    own2 = args[:2] + (torch.tensor([0, 1, 1, 2], **i32), torch.tensor([3, 4], **i32),
+                       torch.tensor([2, 0, 1], **i32)) + args[5:]
+    with pytest.raises(ValueError, match=r"strategy 'cascade': the shared prefix "
+                                         r"\(shared_kv_indices, 3 pages\) is the first level's "
+                                         r"batch, and the batch uses 3 pages, more than "
+                                         r"max_num_pages=2"):
+        ja.CascadeDecode(variant, page_size=page_size, device="cpu", strategy="cascade",
+                         max_num_pages=2).plan(*own2)
+    # plain's one table per request would hold 2**30 keys or more, each level's fewer: auto
+    # takes the cascade (it raised "a request has 1179648000 key tokens")
+    n, big = 9000, 1 << 16
+    long = (torch.zeros(n, **i32), big, torch.tensor([0, n], **i32), torch.ones(n, **i32),
+            torch.tensor([big], **i32), hq, hkv, d)
+    assert ja.CascadeDecode(variant, page_size=big, device="cpu").plan(*long) == "cascade"
 
 
 def test_a_plan_call_refused_before_its_body_leaves_no_plan():
