@@ -122,6 +122,16 @@ def reject_run_kwargs(wrapper, params: dict) -> None:
                                  f"{_NOT_RUN_KWARGS[name]}")
 
 
+def extra_run_args(owner: str, extra: tuple) -> TypeError:
+    """The TypeError for ``owner``.run() given positional arguments after the cache
+    (``extra``): FlashInfer's ragged run(q, k, v), or return_lse given positionally."""
+    if len(extra) == 1 and isinstance(extra[0], (bool, np.bool_)):
+        return TypeError(f"{owner}.run() takes return_lse as a keyword: "
+                         f"run(q, kv_cache, return_lse={bool(extra[0])})")
+    return TypeError(f"{owner}.run() takes the cache as one argument: run(q, (k, v)) or "
+                     f"run(q, kv_cache); got {2 + len(extra)} positional arguments after self")
+
+
 # what a batch needs of each capacity the constructor takes, as plan()'s errors say it
 _NEEDS = {"max_batch_size": "batch of {n} requests exceeds",
           "max_num_pages": "the batch uses {n} pages, more than",
@@ -155,6 +165,13 @@ _FLASHINFER_PLAN = {
     "non_blocking": "not needed: plan() copies its schedule to the device asynchronously",
     "head_dim_qk": "head_dim= here (one head_dim for q, k and v)",
     "head_dim_vo": "head_dim= here (one head_dim for q, k and v)",
+}
+
+
+# the same for a plan() without kv_dtype= (the cascades': caches in q's dtype)
+_FLASHINFER_PLAN_Q_DTYPE_ONLY = {
+    "data_type": "q_dtype= here (the caches are read in q's dtype)",
+    "kv_data_type": "not taken here: the caches are read in q's dtype (q_dtype=)",
 }
 
 
@@ -244,8 +261,10 @@ def _plan_with_hints(plan, signature, args, kwargs):
             # (the constructor's call up to page_size: a wrapper's _CALL, e.g. the cascades')
             call = getattr(type(args[0]), "_CALL", "{cls}(variant, ") if args else "{cls}(variant, "
             ctor = call.format(cls=cls) + "page_size=16)"
+            table = _FLASHINFER_PLAN if "kv_dtype" in signature.parameters else \
+                _FLASHINFER_PLAN | _FLASHINFER_PLAN_Q_DTYPE_ONLY
             hints = [f"{name}= is {where.format(cls=cls, ctor=ctor)}"
-                     for name, where in _FLASHINFER_PLAN.items()
+                     for name, where in table.items()
                      if name in kwargs and name not in signature.parameters]
             hints += _positional_hints(signature, args, kwargs, ctor)
             if hints:

@@ -22,8 +22,8 @@ import torch
 
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
-from .args import bool_arg, int_arg, kv_scales, not_a_variant, planner, reject_run_kwargs, \
-    resolve_device, unexpected_keywords
+from .args import bool_arg, extra_run_args, int_arg, kv_scales, not_a_variant, planner, \
+    reject_run_kwargs, resolve_device, unexpected_keywords
 from .batch_inputs import check_batch
 from .plan import Plan, make_plan
 from .render import QUERY_TILES, query_kind, tiles_for
@@ -101,7 +101,9 @@ class BatchPrefill:
                              max_batch_size, max_num_pages, max_work_items, max_partial_rows,
                              max_mask_bytes, max_item_tokens))}
         self._plan: Plan | None = None
-        self.scales_refused_by: str | None = None  # a wrapper whose run() is ours refuses them
+        # the wrapper whose run() is this one's (CascadeDecode's plain strategy): run()'s errors
+        # name it, and it refuses k_scale / v_scale as that wrapper's run() does
+        self.run_owner: str | None = None
         self._ws: Workspace | None = None
         self._planned: dict = {}
         self._run_inputs: RunInputs | None = None  # what run() accepts after the last plan()
@@ -287,10 +289,8 @@ class BatchPrefill:
         are the longest request). Returns out, or (out, lse) with lse float32 natural log;
         rows that see no key give out 0 and lse -inf. Raises before any launch on bad input.
         """
-        if extra:  # (FlashInfer's ragged run(q, k, v))
-            raise TypeError(f"{type(self).__name__}.run() takes the cache as one argument: "
-                            f"run(q, (k, v)) or run(q, kv_cache); got {2 + len(extra)} "
-                            f"positional arguments after self")
+        if extra:  # (FlashInfer's ragged run(q, k, v), or return_lse given positionally)
+            raise extra_run_args(self.run_owner or type(self).__name__, extra)
         if return_lse.__class__ is not bool:
             return_lse = bool_arg("return_lse", return_lse)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
@@ -299,8 +299,8 @@ class BatchPrefill:
             return launch.into_outputs(o, s, out, lse, return_lse)
         if type(k_scale) is not float or type(v_scale) is not float or \
                 k_scale != 1.0 or v_scale != 1.0:  # (the defaults need no check: host time)
-            if self.scales_refused_by:  # (a cascade's plain strategy: its run is ours)
-                reject_run_kwargs(self.scales_refused_by, dict(k_scale=k_scale, v_scale=v_scale))
+            if self.run_owner:  # (a cascade's plain strategy: its run is ours)
+                reject_run_kwargs(self.run_owner, dict(k_scale=k_scale, v_scale=v_scale))
             k_scale, v_scale = kv_scales(k_scale, v_scale, self._planned.get("sm_scale", 1.0))
         k_cache, v_cache = split_cache(kv_cache, self.kv_layout)
         checks = self._run_inputs

@@ -23,8 +23,8 @@ import torch
 
 from . import masks as masks_mod
 from . import launch, ops
-from .args import bool_arg, int_arg, not_a_variant, over_capacity, planner, reject_run_kwargs, \
-    resolve_device, unexpected_keywords
+from .args import bool_arg, extra_run_args, int_arg, not_a_variant, over_capacity, planner, \
+    reject_run_kwargs, resolve_device, unexpected_keywords
 from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors, page_size_arg
 from .batch_inputs import check_batch
 from .emit import MAX_SEQ_LEN
@@ -137,14 +137,17 @@ class MultiLevelCascade:
         self._min_rows = max((r.stop if isinstance(r, slice) else int(r.max()) + 1
                               for r in rows if _count(r)), default=0)
 
-    def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False,
+    def run(self, q: torch.Tensor, kv_cache, *extra, return_lse: bool = False,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, **params):
         """Attention of q [total_q, heads, head_dim] over all levels, merged. Rows that no
         level covers get out 0, lse -inf. Each level writes its state into one slab of a
         [levels, total_q, ...] buffer (consecutive rows in place, without copies), and one
         merge combines the slabs (into out / lse when given: [total_q, heads, head_dim] in q's
-        dtype / [total_q, heads] float32, contiguous). params: the variant's runtime
+        dtype / [total_q, heads] float32, contiguous; out is q itself or shares no memory with
+        it, as for BatchPrefill.run, and none with lse). params: the variant's runtime
         parameters; k_scale / v_scale are refused (ValueError)."""
+        if extra:
+            raise extra_run_args(type(self).__name__, extra)
         reject_run_kwargs(self, params)
         return_lse = bool_arg("return_lse", return_lse)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
@@ -162,7 +165,10 @@ class MultiLevelCascade:
             raise ValueError(f"q has {q.shape[0]} rows; the plan uses rows up to "
                              f"{self._min_rows - 1}")
         n, total = len(self.levels), q.shape[0]
-        out = launch.output_buffer("out", out, q.shape, q.dtype, q.device)
+        # (the levels read q before the merge writes out, but CascadeDecode's plain strategy
+        # refuses an out partly inside q: so do the cascades, whichever strategy auto takes)
+        out = launch.output_buffer("out", out, q.shape, q.dtype, q.device, apart_from=None
+                                   if out is None or launch.same_view(out, q) else {"q": q})
         lse = launch.output_buffer("lse", lse, q.shape[:2], torch.float32, q.device, align=4,
                                    apart_from={"out": out, "q": q})
         o_levels = torch.empty((n, *q.shape), dtype=q.dtype, device=q.device)
@@ -233,6 +239,8 @@ class CascadeDecode(MultiLevelCascade):
                  strategy: str = "auto", device=None, **capacities):
         if strategy not in ("auto", "cascade", "plain"):
             raise ValueError(f"strategy={strategy!r}: expected 'auto', 'cascade' or 'plain'")
+        if kv_layout not in ("NHD", "HND", "ragged"):
+            raise ValueError(f"kv_layout={kv_layout!r}: expected 'NHD' or 'HND'")
         if kv_layout == "ragged":  # (its plan() takes page tables: no plan could succeed)
             raise ValueError("kv_layout='ragged': CascadeDecode plans over page tables ('NHD' "
                              "or 'HND'); for ragged keys use MultiLevelCascade(variant, 2, "
@@ -245,7 +253,7 @@ class CascadeDecode(MultiLevelCascade):
         self.plain = BatchDecode(variant, page_size=page_size, kv_layout=kv_layout,
                                  device=device, **capacities)
         # the plain strategy's run() refuses k_scale / v_scale as the cascade's does
-        self.plain.scales_refused_by = type(self).__name__
+        self.plain.run_owner = type(self).__name__
         self.strategy, self.chosen, self._bound_plain = strategy, None, None
 
     def choose(self, batch: int, prefix_len: int, num_kv_heads: int, head_dim: int,
@@ -361,11 +369,13 @@ class CascadeDecode(MultiLevelCascade):
                         full_last, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
                         sm_scale=sm_scale)
 
-    def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False, **params):
+    def run(self, q: torch.Tensor, kv_cache, *extra, return_lse: bool = False, **params):
         """Attention of q [batch, heads, head_dim] over the shared prefix and each request's
         own pages (see MultiLevelCascade.run). After a plan() that chose "plain", ``run`` is
         plain's BatchDecode.run itself (same arguments; k_scale / v_scale other than 1
         refused as here)."""
+        if extra:
+            raise extra_run_args(type(self).__name__, extra)
         if self.chosen == "plain":  # a reference kept from a cascade plan
             return self.plain.run(q, kv_cache, return_lse=return_lse, **params)
         # (the levels accept rows beyond the plan's)

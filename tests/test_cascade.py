@@ -286,6 +286,42 @@ def test_a_plan_call_refused_before_its_body_leaves_no_plan():
         sp.run(*(torch.randn(10, h, 64).half() for h in (4, 2, 2)))
 
 
+def test_cascade_decode_errors_name_it_whichever_strategy_runs():
+    """CascadeDecode's run() errors are the same under either strategy and name CascadeDecode
+    (under plain, run() is BatchDecode's: they named BatchDecode, and a return_lse given
+    positionally was called a second cache argument); an out partly inside q is refused by
+    both (only plain refused it, so a call that worked could fail when auto switched); the
+    layout error lists no 'ragged', and the dtype hints no kv_dtype=, which CascadeDecode does
+    not take."""
+    i32 = dict(dtype=torch.int32)
+    variant = ja.Variant("c_names")
+    k, v = (torch.randn(20, 4, 2, 64).half() for _ in range(2))
+    buf = torch.randn(3, 4, 64).half()
+    decode = (torch.tensor([0, 1], **i32), 4, torch.tensor([0, 1, 3], **i32),
+              torch.tensor([2, 3, 4], **i32), torch.tensor([2, 3], **i32), 4, 2, 64)
+    for strategy in ("plain", "cascade"):
+        cd = ja.CascadeDecode(variant, page_size=4, strategy=strategy, device="cpu")
+        cd.plan(*decode)
+        with pytest.raises(TypeError, match=r"CascadeDecode\.run\(\) takes the cache as one "
+                                            r"argument: .* got 3 positional"):
+            cd.run(buf[:2], k, v)
+        with pytest.raises(TypeError, match=r"CascadeDecode\.run\(\) takes return_lse as a "
+                                            r"keyword: run\(q, kv_cache, return_lse=True\)"):
+            cd.run(buf[:2], (k, v), True)
+        with pytest.raises(ValueError, match="out shares memory with q"):
+            cd.run(buf[:2], (k, v), out=buf[1:3])
+        q = buf[:2].clone()
+        want = cd.run(q.clone(), (k, v))
+        torch.testing.assert_close(cd.run(q, (k, v), out=q), want, rtol=0, atol=0)  # in place
+        for name, text in (("data_type", "data_type= is q_dtype= here \\(the caches are read "
+                                         "in q's dtype\\)"),
+                           ("kv_data_type", "kv_data_type= is not taken here")):
+            with pytest.raises(TypeError, match=text):
+                cd.plan(*decode, **{name: torch.float16})
+    with pytest.raises(ValueError, match="kv_layout='nhd': expected 'NHD' or 'HND'$"):
+        ja.CascadeDecode(variant, 16, "nhd", device="cpu")
+
+
 def test_auto_follows_its_latest_choice_and_fills_output_buffers():
     """A plan that switches auto from plain to the cascade (and back) runs the new choice;
     out / lse buffers are filled whichever it took (the cascade used to raise a duplicate
