@@ -104,8 +104,10 @@ def _span(t) -> tuple[int, int]:
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors are the same elements in the same layout (out=q: in place, which
-    the kernels allow for q, each row being read before its output is written)."""
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() \
+    the kernels allow for q, each row being read before its output is written). False for
+    anything but two tensors (output_buffer then names what it got)."""
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() \
         and a.dtype == b.dtype and a.device == b.device
 
 

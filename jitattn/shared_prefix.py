@@ -356,7 +356,8 @@ class SharedPrefixPrefill:
             o, s = ops.wrapper_traced(self, q, [k, v], params, num_outputs=2)
             return launch.into_outputs(o, s, out, lse, return_lse)
         if not self._steps:
-            raise RuntimeError("SharedPrefixPrefill.run() called before plan()")
+            raise RuntimeError("SharedPrefixPrefill.run() called before plan() (or after a "
+                               "plan() that raised)")
         total = self._planned["total"]
         q_shape, kv_shape, dtype = self._planned["shapes"]
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and

@@ -310,6 +310,8 @@ def test_cascade_decode_errors_name_it_whichever_strategy_runs():
             cd.run(buf[:2], (k, v), True)
         with pytest.raises(ValueError, match="out shares memory with q"):
             cd.run(buf[:2], (k, v), out=buf[1:3])
+        with pytest.raises(TypeError, match="out must be a torch.Tensor, got list"):
+            cd.run(buf[:2], (k, v), out=[1])  # (an AttributeError from the overlap check)
         q = buf[:2].clone()
         want = cd.run(q.clone(), (k, v))
         torch.testing.assert_close(cd.run(q, (k, v), out=q), want, rtol=0, atol=0)  # in place
