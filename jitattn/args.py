@@ -125,7 +125,8 @@ def reject_run_kwargs(wrapper, params: dict) -> None:
 def extra_run_args(owner: str, extra: tuple) -> TypeError:
     """The TypeError for ``owner``.run() given positional arguments after the cache
     (``extra``): FlashInfer's ragged run(q, k, v), or return_lse given positionally."""
-    if len(extra) == 1 and isinstance(extra[0], (bool, np.bool_)):
+    if len(extra) == 1 and (isinstance(extra[0], (bool, np.bool_)) or (
+            isinstance(extra[0], numbers.Integral) and extra[0] in (0, 1))):
         return TypeError(f"{owner}.run() takes return_lse as a keyword: "
                          f"run(q, kv_cache, return_lse={bool(extra[0])})")
     return TypeError(f"{owner}.run() takes the cache as one argument: run(q, (k, v)) or "

@@ -317,7 +317,9 @@ class CascadeDecode(MultiLevelCascade):
         else:
             too_many = over_capacity(self.levels[0].capacity, "max_num_pages", shared_pages)
             if too_many:  # (the first level's plan would blame the batch)
-                raise ValueError(f"strategy 'cascade': the shared prefix (shared_kv_indices, "
+                took = "" if self.strategy == "cascade" else ", which took the cascade"
+                raise ValueError(f"strategy {self.strategy!r}{took}: the shared prefix "
+                                 f"(shared_kv_indices, "
                                  f"{shared_pages} pages) is the first level's batch, and "
                                  f"{too_many}")
             self.levels[0].plan(torch.tensor([0, batch], **i32),
@@ -360,6 +362,13 @@ class CascadeDecode(MultiLevelCascade):
                              f"{n} pages in each of the {batch} requests' tables, before their "
                              f"own {own_pages})")
         own = torch.diff(indptr)
+        own_keys = torch.where(own > 0, (own - 1) * self.page_size + last, 0)
+        longest = n * self.page_size + int(own_keys.max()) if batch else 0
+        if longest >= MAX_SEQ_LEN:  # (aligned: the prefix is n whole pages)
+            raise ValueError(f"strategy 'plain': a request's table would hold {longest} keys "
+                             f"(the prefix's {n * self.page_size} before its own); expected "
+                             f"fewer than {MAX_SEQ_LEN} (2**30 - 1024): the cascade keeps the "
+                             f"prefix apart")
         tables = [torch.cat([shared, indices[int(indptr[b]):int(indptr[b + 1])]])
                   for b in range(batch)]
         full_last = torch.where(own > 0, last, torch.full_like(last, self.page_size if n else 0))

@@ -238,12 +238,19 @@ def test_auto_takes_plain_decode_when_the_prefix_is_short():
                                          r"max_num_pages=2"):
         ja.CascadeDecode(variant, page_size=page_size, device="cpu", strategy="cascade",
                          max_num_pages=2).plan(*own2)
+    with pytest.raises(ValueError, match=r"strategy 'auto', which took the cascade: the shared "
+                                         r"prefix \(shared_kv_indices, 3 pages\)"):
+        ja.CascadeDecode(variant, page_size=page_size, device="cpu", max_num_pages=2).plan(*own2)
     # plain's one table per request would hold 2**30 keys or more, each level's fewer: auto
     # takes the cascade (it raised "a request has 1179648000 key tokens")
     n, big = 9000, 1 << 16
     long = (torch.zeros(n, **i32), big, torch.tensor([0, n], **i32), torch.ones(n, **i32),
             torch.tensor([big], **i32), hq, hkv, d)
     assert ja.CascadeDecode(variant, page_size=big, device="cpu").plan(*long) == "cascade"
+    with pytest.raises(ValueError, match=r"strategy 'plain': a request's table would hold "
+                                         r"1179648000 keys \(the prefix's 589824000 before its "
+                                         r"own\); expected fewer than 1073740800"):
+        ja.CascadeDecode(variant, page_size=big, device="cpu", strategy="plain").plan(*long)
 
 
 def test_a_plan_call_refused_before_its_body_leaves_no_plan():
@@ -308,6 +315,8 @@ def test_cascade_decode_errors_name_it_whichever_strategy_runs():
         with pytest.raises(TypeError, match=r"CascadeDecode\.run\(\) takes return_lse as a "
                                             r"keyword: run\(q, kv_cache, return_lse=True\)"):
             cd.run(buf[:2], (k, v), True)
+        with pytest.raises(TypeError, match=r"return_lse as a keyword: .*return_lse=True\)"):
+            cd.run(buf[:2], (k, v), 1)
         with pytest.raises(ValueError, match="out shares memory with q"):
             cd.run(buf[:2], (k, v), out=buf[1:3])
         with pytest.raises(TypeError, match="out must be a torch.Tensor, got list"):
