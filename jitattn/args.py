@@ -1,8 +1,9 @@
 """Checks of the plain Python arguments the public API shares (counts, sizes, devices,
 capacities, KV scales), so that every wrapper refuses a bad one alike: TypeError for the wrong
 type, ValueError for the wrong value, each naming the argument and its value; and the host-only
-trampolines: ``planner``, the wrappers' plan() decorator (hints for FlashInfer's keywords), and
-``host_only``, which keeps host work out of torch.compile's graphs."""
+trampolines: ``planner``, the wrappers' plan() decorator (with porting.py's hints for
+FlashInfer's keywords), and ``host_only``, which keeps host work out of torch.compile's
+graphs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import struct
 
 import numpy as np
 import torch
+
+from .porting import plan_hints
 
 
 def int_arg(name: str, value, minimum: int = 1, maximum: int | None = None) -> int:
@@ -150,55 +153,6 @@ def over_capacity(capacity: dict, name: str, needed: int) -> str | None:
     return f"{_NEEDS[name].format(n=needed)} {name}={capacity[name]} given to the constructor"
 
 
-# keywords of FlashInfer's plan() that are something else here (README, porting from FlashInfer)
-_FLASHINFER_PLAN = {
-    "causal": "the Variant's mask (Variant(..., mask='causal'), the default, or mask='none')",
-    "window_left": "the Variant's (Variant(..., window_left=W))",
-    "logits_soft_cap": "the Variant's score_mod (score_mod=ja.soft_cap(cap))",
-    "pos_encoding_mode": "the Variant's pos_encoding (pos_encoding=ja.RoPE(...))",
-    "rope_theta": "ja.RoPE(theta=)'s, the Variant's pos_encoding",
-    "rope_scale": "ja.RoPE(scaling={'type': 'linear', 'factor': f})'s",
-    "q_data_type": "q_dtype= here",
-    "kv_data_type": "kv_dtype= here",
-    "page_size": "the constructor's ({ctor})",
-    "custom_mask": "BatchPrefill.plan()'s, with Variant(..., mask='custom')",
-    "data_type": "q_dtype= / kv_dtype= here",
-    "non_blocking": "not needed: plan() copies its schedule to the device asynchronously",
-    "head_dim_qk": "head_dim= here (one head_dim for q, k and v)",
-    "head_dim_vo": "head_dim= here (one head_dim for q, k and v)",
-}
-
-
-# the same for a plan() without kv_dtype= (the cascades': caches in q's dtype)
-_FLASHINFER_PLAN_Q_DTYPE_ONLY = {
-    "data_type": "q_dtype= here (the caches are read in q's dtype)",
-    "kv_data_type": "not taken here: the caches are read in q's dtype (q_dtype=)",
-}
-
-
-# keywords of FlashInfer's wrapper constructors that jitattn's do not take, and why
-_FLASHINFER_CTOR = {
-    "use_cuda_graph": "not needed: run() can always be captured in a CUDA graph (the "
-                      "constructor's capacities size the wrapper's buffers)",
-    "use_tensor_cores": "chosen per device: the kernels always run on tensor cores",
-    "backend": "chosen per device (wgmma on sm_90a, mma.sync elsewhere)",
-    "jit_args": "the Variant's (Variant(..., score_mod=, mask_mod=))",
-}
-
-
-def unexpected_keywords(owner: str, unknown, accepted) -> TypeError:
-    """The TypeError for constructor keywords ``owner`` does not take, listing ``accepted`` and
-    saying where FlashInfer's constructor keywords (buffers, use_cuda_graph, ...) went."""
-    unknown = sorted(unknown)
-    hints = [f"{name}= is {_FLASHINFER_CTOR[name]}" for name in unknown
-             if name in _FLASHINFER_CTOR]
-    hints += [f"{name}= is the wrapper's own buffer, sized by the capacities (max_batch_size=, "
-              f"max_num_pages=, ...)" for name in unknown if name.endswith(("_buf", "_buffer"))]
-    hint = f" ({'; '.join(hints)}; README: porting from FlashInfer)" if hints else ""
-    return TypeError(f"{owner}() got unexpected keyword arguments {unknown}; it takes "
-                     f"{list(accepted)}{hint}")
-
-
 def planner(plan):
     """A wrapper's plan(): host work that torch.compile must not trace (dynamo traced the
     planner's numpy and failed inside it), and that raises, for a keyword it does not take that
@@ -249,7 +203,7 @@ def host_only(reason: str):
 
 def _plan_with_hints(plan, signature, args, kwargs):
     """plan(*args, **kwargs), the wrapper's last plan dropped first, its TypeError for a
-    FlashInfer keyword given a hint."""
+    FlashInfer keyword or argument given a hint (porting.plan_hints)."""
     if args:
         args[0]._drop_plan()
     try:
@@ -258,39 +212,8 @@ def _plan_with_hints(plan, signature, args, kwargs):
         try:
             signature.bind(*args, **kwargs)
         except TypeError:
-            cls = type(args[0]).__name__ if args else "BatchDecode"
-            # (the constructor's call up to page_size: a wrapper's _CALL, e.g. the cascades')
-            call = getattr(type(args[0]), "_CALL", "{cls}(variant, ") if args else "{cls}(variant, "
-            ctor = call.format(cls=cls) + "page_size=16)"
-            table = _FLASHINFER_PLAN if "kv_dtype" in signature.parameters else \
-                _FLASHINFER_PLAN | _FLASHINFER_PLAN_Q_DTYPE_ONLY
-            hints = [f"{name}= is {where.format(cls=cls, ctor=ctor)}"
-                     for name, where in table.items()
-                     if name in kwargs and name not in signature.parameters]
-            hints += _positional_hints(signature, args, kwargs, ctor)
+            hints = plan_hints(signature, args, kwargs)
             if hints:
                 raise TypeError(f"{e}: {'; '.join(hints)} (README: porting from "
                                 f"FlashInfer)") from None
         raise
-
-
-def _positional_hints(signature, args, kwargs, ctor: str) -> list:
-    """Hints for FlashInfer's positional plan() calls over page tables: page_size after
-    head_dim (the constructor's here, ``ctor``), and a ragged plan without the page-table
-    arguments (None here)."""
-    names = [n for n, p in signature.parameters.items()
-             if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
-    ragged = bool(args) and getattr(args[0], "kv_layout", None) == "ragged"
-    hints = []
-    if "kv_indptr" in names and len(args) > len(names) and names[-1] == "head_dim" and \
-            not ragged:  # (a ragged plan has no page_size: FlashInfer's next is head_dim_vo)
-        hints.append(f"the argument after head_dim ({args[len(names)]!r}) would be FlashInfer's "
-                     f"page_size, which is the constructor's here ({ctor})")
-    at = names.index("kv_indices") if "kv_indices" in names else None
-    if at is not None and ragged and \
-            "kv_indices" not in kwargs and (len(args) <= at or isinstance(args[at], int)):
-        pages = ", ".join(n for n in names[1:names.index("num_qo_heads")]
-                          if n.startswith(("qo_", "kv_indptr")))
-        hints.append(f"a ragged plan takes kv_indices=None and kv_last_page_len=None: "
-                     f"plan({pages}, None, None, num_qo_heads, num_kv_heads, head_dim)")
-    return hints

@@ -23,9 +23,10 @@ import torch
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
 from .args import bool_arg, extra_run_args, int_arg, kv_scales, not_a_variant, planner, \
-    reject_run_kwargs, resolve_device, unexpected_keywords
+    reject_run_kwargs, resolve_device
 from .batch_inputs import check_batch
 from .plan import Plan, make_plan
+from .porting import unexpected_keywords
 from .render import QUERY_TILES, query_kind, tiles_for
 from .run_inputs import RunInputs, split_cache
 from .spec import Variant

@@ -24,11 +24,12 @@ import torch
 from . import masks as masks_mod
 from . import launch, ops
 from .args import bool_arg, extra_run_args, int_arg, not_a_variant, over_capacity, planner, \
-    reject_run_kwargs, resolve_device, unexpected_keywords
+    reject_run_kwargs, resolve_device
 from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors, page_size_arg
 from .batch_inputs import check_batch
 from .emit import MAX_SEQ_LEN
 from .merge import merge_states_into
+from .porting import unexpected_keywords
 from .shared_prefix import layout_features
 from .spec import Variant
 
