@@ -320,9 +320,8 @@ class CascadeDecode(MultiLevelCascade):
             if too_many:  # (the first level's plan would blame the batch)
                 took = "" if self.strategy == "cascade" else ", which took the cascade"
                 raise ValueError(f"strategy {self.strategy!r}{took}: the shared prefix "
-                                 f"(shared_kv_indices, "
-                                 f"{shared_pages} pages) is the first level's batch, and "
-                                 f"{too_many}")
+                                 f"(shared_kv_indices, {shared_pages} pages) is the first "
+                                 f"level's batch, and {too_many}")
             self.levels[0].plan(torch.tensor([0, batch], **i32),
                                 torch.tensor([0, shared_pages], **i32), shared_kv_indices,
                                 torch.tensor([shared_last_page_len], **i32), num_qo_heads,
