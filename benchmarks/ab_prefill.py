@@ -28,15 +28,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("jitattn", "templates", "variants", "pyproject.toml")
-# name: (mask, window_left, ALiBi, batch, tokens, head_dim, dtype); heads 32 / 32
+# name: (mask, window_left, score_mod (None, "alibi", "softcap", "softcap_approx": cap 50),
+# batch, tokens, head_dim, dtype); heads 32 / 32
 CASES = {
-    "causal_4k": ("causal", None, False, 4, 4096, 128, "float16"),
-    "causal_16k": ("causal", None, False, 1, 16384, 128, "float16"),
-    "full_16k": ("none", None, False, 1, 16384, 128, "float16"),
-    "window_16k": ("causal", 1024, False, 1, 16384, 128, "float16"),
-    "alibi_4k": ("causal", None, True, 4, 4096, 128, "float16"),
-    "causal_d64": ("causal", None, False, 4, 4096, 64, "bfloat16"),
-    "causal_d256": ("causal", None, False, 4, 4096, 256, "bfloat16"),
+    "causal_4k": ("causal", None, None, 4, 4096, 128, "float16"),
+    "causal_16k": ("causal", None, None, 1, 16384, 128, "float16"),
+    "full_16k": ("none", None, None, 1, 16384, 128, "float16"),
+    "window_16k": ("causal", 1024, None, 1, 16384, 128, "float16"),
+    "alibi_4k": ("causal", None, "alibi", 4, 4096, 128, "float16"),
+    "softcap_4k": ("causal", None, "softcap", 4, 4096, 128, "float16"),
+    "softcap_approx_4k": ("causal", None, "softcap_approx", 4, 4096, 128, "float16"),
+    "causal_d64": ("causal", None, None, 4, 4096, 64, "bfloat16"),
+    "causal_d256": ("causal", None, None, 4, 4096, 256, "bfloat16"),
 }
 # SharedPrefixPrefill's ragged and naive strategies at P8196 S256 M32, GQA 16/8 (ms): naive's
 # paged batch reads the prefix's pages in each of its 32 requests
@@ -87,12 +90,14 @@ def child(tree: str, cases: list[str], device: str, compile_only: bool) -> None:
             sp.plan(p, [s] * m, 16, 8, 128, q_dtype=torch.float16)
             fn, flop = (lambda: sp.run(q, k, v)), None
         else:
-            mask, window, alibi, b, n, d, dt = CASES[name]
+            mask, window, mod, b, n, d, dt = CASES[name]
             b, n, h = (1, 300, 4) if tiny else (b, n, 32)
             slopes = ja.tensor("alibi_slopes", ("num_qo_heads",), "float32")
-            variant = ja.Variant(name, mask=mask, window_left=window,
-                                 score_mod=(lambda sc, bb, hh, qi, ki: sc + slopes[hh] * (ki - qi))
-                                 if alibi else None)
+            alibi = mod == "alibi"
+            score_mod = {"alibi": lambda sc, bb, hh, qi, ki: sc + slopes[hh] * (ki - qi),
+                         "softcap": ja.soft_cap(50.0),
+                         "softcap_approx": ja.soft_cap(50.0, approx=True)}.get(mod)
+            variant = ja.Variant(name, mask=mask, window_left=window, score_mod=score_mod)
             q, k, v = (torch.randn(b * n, h, d, device=device, dtype=getattr(torch, dt))
                        for _ in range(3))
             indptr = torch.arange(0, b * n + 1, n, dtype=torch.int32)
