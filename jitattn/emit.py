@@ -22,7 +22,7 @@ def c_name(name: str) -> str:
     return f"jap_{name}"
 
 
-def _float_literal(x: float) -> str:
+def float_literal(x: float) -> str:
     if math.isinf(x):
         return "JA_INF" if x > 0 else "(-JA_INF)"
     return repr(float(np.float32(x))) + "f"  # Python's repr always has '.' or 'e'
@@ -242,6 +242,47 @@ def kv_linear(score):
     return (coef if coef is not None else one), lin[0], lin[1], cst
 
 
+_TWO_LOG2E = 2.0 * math.log2(math.e)  # ja_tanh_ex2 takes 2 log2(e) x
+
+
+def scaled_form(score):
+    """The score_mod as ``outer * F(inner * score)`` with F tanh or the hardware tanh, outer a
+    positive and inner a finite float constant (soft-cap: cap * tanh(score / cap)): returns
+    (outer, inner, F's C++ call on ``x``) with ja_tanh's 2 log2(e) folded into inner, or None.
+
+    The CUDA softmax then folds inner into its score scale and outer into its exponent's scale
+    (a positive outer keeps the row maxima), and per score computes F alone: exact soft-cap
+    five instructions instead of eight, the hardware tanh two instead of four. The products of
+    the constants round once where the traced form rounds twice (about an ulp of the tanh's
+    argument; the CPU backend keeps the traced form)."""
+    def const(e):
+        return hasattr(e, "op") and e.op == "const" and e.kind == "float" and \
+            math.isfinite(float(e.args[0]))
+
+    def is_score(e):
+        return hasattr(e, "op") and e.op == "sym" and e.args[0] == "score"
+
+    if score is None or score.op != "*":
+        return None
+    outer, fn = score.args if const(score.args[0]) else score.args[::-1]
+    if not const(outer) or float(outer.args[0]) <= 0 or fn.op not in ("tanh", "tanh_approx"):
+        return None
+    arg = fn.args[0]
+    if is_score(arg):
+        inner = 1.0
+    elif arg.op == "*" and (is_score(arg.args[0]) or is_score(arg.args[1])):
+        inner_e = arg.args[1] if is_score(arg.args[0]) else arg.args[0]
+        if not const(inner_e):
+            return None
+        inner = float(inner_e.args[0])
+    else:
+        return None
+    if fn.op == "tanh":
+        return float(outer.args[0]), float(np.float32(inner) * np.float32(_TWO_LOG2E)), \
+            "ja_tanh_ex2(x)"
+    return float(outer.args[0]), inner, "ja_tanh_approx(x)"
+
+
 def hoist_row_invariants(roots) -> tuple[list, dict]:
     """Loop-invariant code motion for the mods: the largest subexpressions that read only b, h
     and q_idx (the same for every key of a query row, e.g. ALiBi's slopes[h]) are computed once
@@ -282,7 +323,7 @@ def emit_cpp(e, hoisted: dict | None = None) -> str:
             if narrow(e):
                 return "(-2147483647 - 1)" if v == -(1 << 31) else f"({v})"
             return f"({v}LL)"
-        return _float_literal(v)
+        return float_literal(v)
     if op == "sym":  # int symbols (32-bit in the kernels) are widened unless narrow
         return a[0] if a[0] == "score" or narrow(e) else f"((long long){a[0]})"
     if op == "scalar":

@@ -201,6 +201,7 @@ def render_variant(variant: Variant, *, backend: str, head_dim: int) -> str:
         variant.mask_pred.expr if variant.mask_pred else None)
     row_fields, hoisted = emit.hoist_row_invariants([t for t in (score, mask) if t is not None])
     lin = emit.kv_linear(score)
+    scaled = emit.scaled_form(score)
     kv_linear = None if lin is None else dict(
         coef=emit.emit_cpp(lin[0], hoisted), sign=lin[1],
         off="0" if lin[2] is None else emit.emit_cpp(lin[2], hoisted),
@@ -209,6 +210,9 @@ def render_variant(variant: Variant, *, backend: str, head_dim: int) -> str:
         variant=variant, version=__version__, param_fields=decls,
         mask_mode=("none", "causal", "custom", "multi_item").index(variant.mask),
         row_fields=row_fields, kv_linear=kv_linear,
+        scaled=None if scaled is None else dict(
+            outer=emit.float_literal(scaled[0]), inner=emit.float_literal(scaled[1]),
+            call=scaled[2]),
         score_expr=emit.emit_cpp(score, hoisted) if score is not None else "score",
         mask_expr=emit.emit_cpp(mask, hoisted) if mask is not None else "true",
         rope_mode=0 if rope is None else (1 if rope.style == "neox" else 2),

@@ -3,6 +3,7 @@ proves they fit (emit.narrow), so random int expressions compiled with the host 
 give Python's exact values at the corners of the symbols' ranges."""
 
 import itertools
+import math
 import random
 import shutil
 import subprocess
@@ -253,3 +254,36 @@ def test_kv_linear_form_equals_the_score_mod_in_cpp(tmp_path):
                    capture_output=True, text=True)
     got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
     assert got == ["1"] * (len(_LINEAR) * len(cases))
+
+
+def test_scaled_form_finds_soft_cap_and_nothing_else():
+    """scaled_form: outer * tanh(inner * score) with constant outer > 0 and inner (soft-cap, in
+    either operand order), which the CUDA softmax folds into its scales; ja_tanh's 2 log2(e)
+    joins inner. Anything else (a runtime cap, a negative outer, a shifted argument, a per-head
+    factor, a plain score) keeps the traced form."""
+    cap = ja.scalar("cap")
+    found = {
+        "softcap": (ja.soft_cap(30.0), (30.0, 2 * math.log2(math.e) / 30, "ja_tanh_ex2(x)")),
+        "softcap_approx": (ja.soft_cap(30.0, approx=True), (30.0, 1 / 30, "ja_tanh_approx(x)")),
+        "commuted": (lambda s, b, h, q, k: ja.tanh(s / 20.0) * 20.0,
+                     (20.0, 2 * math.log2(math.e) / 20, "ja_tanh_ex2(x)")),
+        "unscaled": (lambda s, b, h, q, k: 2.0 * ja.tanh(s), (2.0, 2 * math.log2(math.e),
+                                                             "ja_tanh_ex2(x)")),
+    }
+    for name, (fn, want) in found.items():
+        score, _ = emit.divisions_as_products(ja.Variant(name, score_mod=fn).score.expr, None)
+        got = emit.scaled_form(score)
+        assert got is not None and got[2] == want[2], name
+        assert got[0] == pytest.approx(want[0], rel=1e-7) and \
+            got[1] == pytest.approx(want[1], rel=1e-6), (name, got)
+    kept = {
+        "runtime_cap": lambda s, b, h, q, k: cap * ja.tanh(s / cap),
+        "negative_outer": lambda s, b, h, q, k: -30.0 * ja.tanh(s / 30.0),
+        "shifted": lambda s, b, h, q, k: 30.0 * ja.tanh(s / 30.0 + 1.0),
+        "per_head": lambda s, b, h, q, k: 30.0 * ja.tanh(s * _SLOPES[h]),
+        "exp": lambda s, b, h, q, k: 30.0 * ja.exp(s / 30.0),
+    }
+    for name, fn in kept.items():
+        score, _ = emit.divisions_as_products(ja.Variant(name, score_mod=fn).score.expr, None)
+        assert emit.scaled_form(score) is None, name
+    assert emit.scaled_form(None) is None

@@ -30,6 +30,18 @@ JA_HD float ja_tanh(float x) {
   return tanhf(x);
 #endif
 }
+// tanh(y / (2 log2(e))) as ja_tanh computes it, for a y already scaled (the CUDA softmax's
+// soft-cap, emit.scaled_form: the scale folds into the score's)
+JA_HD float ja_tanh_ex2(float y) {
+#if defined(__CUDA_ARCH__)
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(y));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.0f));
+  return fmaf(-2.0f, r, 1.0f);
+#else
+  return tanhf(y * 0.34657359027997264f);  // ln(2) / 2
+#endif
+}
 // tanh on the special-function unit when compiled for a GPU (variants opt in: approx=True)
 JA_HD float ja_tanh_approx(float x) {
 #if defined(__CUDA_ARCH__)

@@ -56,8 +56,13 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   constexpr float RESCALE_SLACK = 8.f;  // log2 units: see the online softmax
   // scores' factor before score_mod, and the softmax's factor from scores to log2 units
   constexpr bool FOLD_SCALE = !Variant::HAS_SCORE_MOD && !Variant::SIGMOID;
-  const float score_scale = FOLD_SCALE ? 1.f : a.sm_scale;
-  const float exp_scale = FOLD_SCALE ? a.sm_scale * LOG2E : LOG2E;
+  // a score_mod OUTER * inner(INNER * score), OUTER > 0 (soft-cap): INNER joins the scores'
+  // factor and OUTER the softmax's, and the scores take inner alone (Variant::SCALED_FORM)
+  constexpr bool SCALED = Variant::SCALED_FORM && !Variant::SIGMOID;
+  const float score_scale = FOLD_SCALE ? 1.f : SCALED ? a.sm_scale * Variant::INNER_SCALE
+                                                      : a.sm_scale;
+  const float exp_scale = FOLD_SCALE ? a.sm_scale * LOG2E
+                                     : SCALED ? Variant::OUTER_SCALE * LOG2E : LOG2E;
   // An fp8 KV cache is copied as it is into the stages. Decode (FP8_REGS) converts it in
   // registers straight into the mma's B fragments: each lane reads the bytes of its fragments
   // with 16-byte loads, in a column order permuted so that they are contiguous (the same
@@ -621,6 +626,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
           if constexpr (Variant::KV_LINEAR)
             x = fmaf(lin[mt][e / 2].coef, (float)(Variant::KV_SIGN * (n * 8 + e % 2)),
                      fmaf(s[mt][n][e], score_scale, lin_base[mt][e / 2]));
+          else if constexpr (SCALED)
+            x = Variant::score_inner(s[mt][n][e] * score_scale);
           else
             x = Variant::score_mod(p, vrow[mt][e / 2], s[mt][n][e] * score_scale, w.b, r.h,
                                    r.q_pos, kv_idx);
