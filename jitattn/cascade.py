@@ -300,12 +300,11 @@ class CascadeDecode(MultiLevelCascade):
             strategy = self.choose(batch, prefix_len, num_kv_heads, head_dim,
                                    torch.empty(0, dtype=q_dtype).element_size())
             # plain copies the prefix's pages into every request's table: they must fit, and
-            # the longest table's keys (at most whole pages) stay below MAX_SEQ_LEN
+            # the longest table's keys stay below MAX_SEQ_LEN
             plain_pages = batch * shared_pages + int(unique_kv_indptr[-1])
-            longest = (shared_pages + int(torch.diff(unique_kv_indptr).max())) * self.page_size \
-                if batch else 0
             if not aligned or plain_pages > self.plain.capacity["max_num_pages"] or \
-                    longest >= MAX_SEQ_LEN:
+                    self._plain_longest(shared_pages, unique_kv_indptr,
+                                        unique_kv_last_page_len) >= MAX_SEQ_LEN:
                 strategy = "cascade"
         if strategy == "plain":
             if not aligned:
@@ -350,6 +349,14 @@ class CascadeDecode(MultiLevelCascade):
         self._rows, self.chosen, self._bound_plain = None, None, None
         self.plain.unplan(forward_to=functools.partial(_run_cascade, weakref.ref(self)))
 
+    def _plain_longest(self, shared_pages: int, indptr, last) -> int:
+        """Keys in plain decode's longest page table: the prefix's shared_pages whole pages
+        (plain needs it aligned), then a request's own pages (indptr, last: the unique level's
+        unique_kv_indptr and unique_kv_last_page_len, checked)."""
+        own = torch.diff(indptr)
+        own_keys = torch.where(own > 0, (own - 1) * self.page_size + last, 0)
+        return shared_pages * self.page_size + int(own_keys.max()) if len(own) else 0
+
     def _plan_plain(self, shared, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim,
                     q_dtype, sm_scale) -> None:
         """Every request's page table: the prefix's pages, then its own (host int32 tensors,
@@ -362,9 +369,8 @@ class CascadeDecode(MultiLevelCascade):
                              f"{n} pages in each of the {batch} requests' tables, before their "
                              f"own {own_pages})")
         own = torch.diff(indptr)
-        own_keys = torch.where(own > 0, (own - 1) * self.page_size + last, 0)
-        longest = n * self.page_size + int(own_keys.max()) if batch else 0
-        if longest >= MAX_SEQ_LEN:  # (aligned: the prefix is n whole pages)
+        longest = self._plain_longest(n, indptr, last)
+        if longest >= MAX_SEQ_LEN:
             raise ValueError(f"strategy 'plain': a request's table would hold {longest} keys "
                              f"(the prefix's {n * self.page_size} before its own); expected "
                              f"fewer than {MAX_SEQ_LEN} (2**30 - 1024): the cascade keeps the "
