@@ -26,8 +26,9 @@ def _check_qkv(q, k, v) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
             hint = (f" (from SDPA's [batch, heads, seq, head_dim]: {name}.transpose(1, 2)"
-                    f".reshape(-1, heads, head_dim), with qo_indptr / kv_indptr marking the "
-                    f"requests)") if t.dim() == 4 else ""
+                    f".reshape(-1, heads, head_dim); from flash-attn's or transformers' "
+                    f"[batch, seq, heads, head_dim]: {name}.reshape(-1, heads, head_dim); "
+                    f"with qo_indptr / kv_indptr marking the requests)") if t.dim() == 4 else ""
             raise ValueError(f"{name} must have 3 dimensions {shape}, got shape "
                              f"{tuple(t.shape)}{hint}")
         if t.dtype not in dtypes.QKV_DTYPES:

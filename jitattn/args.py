@@ -17,7 +17,7 @@ import struct
 import numpy as np
 import torch
 
-from .porting import plan_hints
+from .porting import plan_hints, positional_binding
 
 
 def int_arg(name: str, value, minimum: int = 1, maximum: int | None = None) -> int:
@@ -203,7 +203,8 @@ def host_only(reason: str):
 
 def _plan_with_hints(plan, signature, args, kwargs):
     """plan(*args, **kwargs), the wrapper's last plan dropped first, its TypeError for a
-    FlashInfer keyword or argument given a hint (porting.plan_hints)."""
+    FlashInfer keyword or argument given a hint (porting.plan_hints), one for a missing
+    argument the parameters its positional arguments went to (porting.positional_binding)."""
     if args:
         args[0]._drop_plan()
     try:
@@ -211,9 +212,13 @@ def _plan_with_hints(plan, signature, args, kwargs):
     except TypeError as e:
         try:
             signature.bind(*args, **kwargs)
-        except TypeError:
+        except TypeError as bind_error:
             hints = plan_hints(signature, args, kwargs)
             if hints:
                 raise TypeError(f"{e}: {'; '.join(hints)} (README: porting from "
                                 f"FlashInfer)") from None
+            taken = positional_binding(signature, args) if "missing" in str(bind_error) \
+                else None
+            if taken:
+                raise TypeError(f"{e}: {taken}") from None
         raise

@@ -43,6 +43,22 @@ _FLASHINFER_CTOR = {
 }
 
 
+# keywords of SDPA's, FlexAttention's or FlashInfer's attention calls that reach a jitattn call's
+# variant parameters (spec.Variant.check_param_names): where each lives here
+CALL_KEYWORDS_ELSEWHERE = {
+    "causal": "the Variant's mask (Variant(..., mask='causal'), the default, or mask='none')",
+    "is_causal": "the Variant's mask (Variant(..., mask='causal'), the default, or mask='none')",
+    "window_left": "the Variant's (Variant(..., window_left=W))",
+    "logits_soft_cap": "the Variant's score_mod (score_mod=ja.soft_cap(cap))",
+    "attn_mask": "the Variant's mask_mod, or mask='custom' with BatchPrefill.plan(custom_mask=)",
+    "block_mask": "the Variant's mask_mod",
+    "enable_gqa": "not needed: q's heads may be a multiple of k's",
+    "dropout_p": "not taken: jitattn is inference only",
+    "sm_scale": "plan()'s for a planned wrapper (plan(..., sm_scale=))",
+    "q_scale": "not taken: fold q's scale into sm_scale",
+}
+
+
 def unexpected_keywords(owner: str, unknown, accepted) -> TypeError:
     """The TypeError for constructor keywords ``owner`` does not take, listing ``accepted`` and
     saying where FlashInfer's constructor keywords (buffers, use_cuda_graph, ...) went."""
@@ -80,6 +96,7 @@ def _positional_hints(signature, args, kwargs, ctor: str) -> list:
              if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     ragged = bool(args) and getattr(args[0], "kv_layout", None) == "ragged"
     hints = []
+
     if "kv_indptr" in names and len(args) > len(names) and names[-1] == "head_dim" and \
             not ragged:  # (a ragged plan has no page_size: FlashInfer's next is head_dim_vo)
         hints.append(f"the argument after head_dim ({args[len(names)]!r}) would be FlashInfer's "
@@ -92,3 +109,21 @@ def _positional_hints(signature, args, kwargs, ctor: str) -> list:
         hints.append(f"a ragged plan takes kv_indices=None and kv_last_page_len=None: "
                      f"plan({pages}, None, None, num_qo_heads, num_kv_heads, head_dim)")
     return hints
+
+
+def positional_binding(signature, args) -> str | None:
+    """For a plan() call missing an argument: the parameters its positional arguments were
+    taken as (one argument left out, e.g. qo_indptr, shifts the rest: Python's error names
+    only the last parameter); None without positional arguments past the wrapper."""
+    names = [n for n, p in signature.parameters.items()
+             if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    if len(args) < 2:
+        return None
+    taken = ", ".join(f"{n}={_brief(a)}" for n, a in zip(names[1:], args[1:]))
+    return f"the positional arguments were taken as {taken}"
+
+
+def _brief(value) -> str:
+    """A plan() argument in a few characters (a tensor by its shape)."""
+    shape = getattr(value, "shape", None)
+    return f"<tensor of shape {tuple(shape)}>" if shape is not None else repr(value)[:40]

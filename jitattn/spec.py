@@ -26,6 +26,7 @@ import torch
 from . import dsl, tracing
 from .args import int_arg
 from .dsl import ScalarParam, SpecError, TensorParam
+from .porting import CALL_KEYWORDS_ELSEWHERE
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # captured tensors as a torch.compile graph passed them to a jitattn op (ops.py), by parameter
@@ -276,6 +277,9 @@ class Variant:
             hint = " (the softmax scale is the sm_scale= argument)" if "scale" in extra else ""
             for name in sorted(extra - {"scale"}) if not torch.compiler.is_compiling() else ():
                 # (difflib is not traceable: the hint is eager mode's)
+                if name in CALL_KEYWORDS_ELSEWHERE:  # SDPA's is_causal=, FlashInfer's causal=
+                    hint += f"; {name}= is {CALL_KEYWORDS_ELSEWHERE[name]}"
+                    continue
                 if name in _CALL_KEYWORDS:  # a keyword of another call (ja.attention(v_scale=))
                     hint += f"; {name}= is not a keyword of this call"
                     continue

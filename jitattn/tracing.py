@@ -44,12 +44,13 @@ class _Tracer:
         for p in self.captured:
             if p.captured is t:
                 return p
+        name = self.names.get(id(t))
         if t.dtype not in dtypes.TAG or t.dim() == 0:
-            raise SpecError(f"captured tensor of dtype {t.dtype} and shape {tuple(t.shape)} "
-                            f"cannot be indexed in a variant; expected one of "
-                            f"{list(dtypes.FROM_NAME)} with at least one dimension")
+            raise SpecError(f"captured tensor{f' {name!r}' if name else ''} of dtype {t.dtype} "
+                            f"and shape {tuple(t.shape)} cannot be indexed in a variant; "
+                            f"expected one of {list(dtypes.FROM_NAME)} with at least one "
+                            f"dimension")
         if not t.is_contiguous():  # (bind() would refuse it at every call)
-            name = self.names.get(id(t))
             raise SpecError(f"captured tensor{f' {name!r}' if name else ''} of shape "
                             f"{tuple(t.shape)} has strides {t.stride()}; a variant reads "
                             f"captured tensors contiguous: capture t.contiguous()")
@@ -145,8 +146,13 @@ def trace(fn, kind: str) -> Traced:
             params = list(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
             params = []
+        # (ja.soft_cap itself, not its result: the factory's own parameters)
+        factory = getattr(fn, "__module__", None) == "jitattn.mods" and \
+            getattr(fn, "__name__", None) == "soft_cap"
+        call = "; ja.soft_cap makes a score_mod: pass its result, e.g. " \
+               "score_mod=ja.soft_cap(30.0)" if factory else ""
         raise SpecError(f"{label} must accept {len(names)} positional arguments "
-                        f"({', '.join(names)}); it takes ({', '.join(params)})") from None
+                        f"({', '.join(names)}); it takes ({', '.join(params)}){call}") from None
     except ValueError:
         pass  # builtins without signatures: try the call
     args = [Expr("sym", (n,), "float" if n == "score" else "int") for n in names]

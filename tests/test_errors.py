@@ -237,6 +237,40 @@ def test_a_planned_runs_out_inside_q_is_refused():
     assert dec.run(buf[:2], cache, out=out).data_ptr() == out.data_ptr()
 
 
+def test_hints_for_keywords_and_layouts_of_other_libraries():
+    """A new user's first mistakes (session 21's trial from the README): SDPA's / FlashInfer's
+    keywords on a jitattn call say where the setting lives, flash-attn's 4-D layout gets its
+    own reshape, ja.soft_cap passed uncalled says to call it, a float64 captured tensor is
+    named, and a plan() missing its first argument shows where the rest went (Python's error
+    named head_dim)."""
+    q, k, v = qkv()
+    for keyword, where in (("causal", r"the Variant's mask"), ("is_causal", r"the Variant's mask"),
+                           ("logits_soft_cap", r"score_mod=ja\.soft_cap\(cap\)"),
+                           ("q_scale", r"fold q's scale into sm_scale")):
+        with pytest.raises(ValueError, match=rf"\['{keyword}'\] .*; {keyword}= is .*{where}"):
+            ja.attention(q, k, v, V, **{keyword: 1.0})
+    with pytest.raises(ValueError, match=r"\[batch, seq, heads, head_dim\]: q\.reshape\("):
+        ja.attention(q[None], k, v, V)
+    with pytest.raises(ja.SpecError, match=r"pass its result, e\.g\. score_mod=ja\.soft_cap\("):
+        ja.Variant("uncalled", score_mod=ja.soft_cap)
+    wide = torch.ones(8, dtype=torch.float64)
+    with pytest.raises(ja.SpecError, match=r"captured tensor 'wide' of dtype torch\.float64"):
+        ja.Variant("wide", score_mod=lambda s, b, h, qi, ki: s + wide[h])
+    i32 = dict(dtype=torch.int32)
+    w = ja.BatchPrefill(V, page_size=16, device="cpu")
+    with pytest.raises(TypeError, match=r"missing 1 required positional argument: 'head_dim': "
+                                        r"the positional arguments were taken as qo_indptr="
+                                        r"<tensor of shape \(3,\)>, .* num_kv_heads=64$"):
+        w.plan(torch.tensor([0, 4, 8], **i32), torch.tensor([0, 1, 2], **i32),
+               torch.tensor([1, 2], **i32), 8, 2, 64)
+    d = ja.BatchDecode(V, page_size=16, device="cpu")
+    d.plan(torch.tensor([0, 1], **i32), torch.tensor([0], **i32), torch.tensor([5], **i32),
+           8, 2, 64)
+    cache = tuple(torch.randn(1, 16, 2, 64).half() for _ in range(2))
+    with pytest.raises(ValueError, match=r"sm_scale= is plan\(\)'s for a planned wrapper"):
+        d.run(torch.randn(1, 8, 64).half(), cache, sm_scale=0.1)
+
+
 def test_out_may_be_q_itself():
     check_out_is_q("cpu")
 
