@@ -177,6 +177,10 @@ def divisions_as_products(score, mask) -> tuple:
             None if mask is None else rewrite(mask, False))
 
 
+def _is_sym(e, name: str) -> bool:
+    return hasattr(e, "op") and e.op == "sym" and e.args[0] == name
+
+
 def kv_linear(score):
     """The score_mod as ``score + coef * (sign * kv_idx + off) [+ cst]`` with coef, off and cst
     row-invariant (they read only b, h and q_idx), off an int, ``sign * kv_idx + off`` an int
@@ -192,11 +196,8 @@ def kv_linear(score):
     def row_invariant(e):
         return hasattr(e, "op") and _symbols(e, {}) <= ROW_SYMBOLS
 
-    def is_sym(e, name):
-        return hasattr(e, "op") and e.op == "sym" and e.args[0] == name
-
     def linear(e):  # (sign, off) with e == sign * kv_idx + off, off an int expression or None
-        if is_sym(e, "kv_idx"):
+        if _is_sym(e, "kv_idx"):
             return 1, None
         if e.op == "neg":
             inner = linear(e.args[0])
@@ -216,8 +217,8 @@ def kv_linear(score):
 
     if score is None or score.op != "+":
         return None
-    bias = score.args[1] if is_sym(score.args[0], "score") else \
-        score.args[0] if is_sym(score.args[1], "score") else None
+    bias = score.args[1] if _is_sym(score.args[0], "score") else \
+        score.args[0] if _is_sym(score.args[1], "score") else None
     if bias is None or "score" in _symbols(bias, {}):
         return None
     cst = None  # (a float bias only: an int one is exact in the traced form, and is kept whole
@@ -243,24 +244,25 @@ def kv_linear(score):
 
 
 _TWO_LOG2E = 2.0 * math.log2(math.e)  # ja_tanh_ex2 takes 2 log2(e) x
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def scaled_form(score):
     """The score_mod as ``outer * F(inner * score)`` with F tanh or the hardware tanh, outer a
-    positive and inner a finite float constant (soft-cap: cap * tanh(score / cap)): returns
-    (outer, inner, F's C++ call on ``x``) with ja_tanh's 2 log2(e) folded into inner, or None.
+    positive and inner a finite constant (soft-cap: cap * tanh(score / cap)): returns (outer,
+    the factor of the score in F's argument as F's C++ call takes it, that call on ``x``), or
+    None. For ja.tanh the call is ja_tanh_ex2, whose argument carries ja_tanh's 2 log2(e):
+    inner times it, rounded once to float32 (a product that overflows or underflows to 0
+    keeps the traced form).
 
-    The CUDA softmax then folds inner into its score scale and outer into its exponent's scale
-    (a positive outer keeps the row maxima), and per score computes F alone: exact soft-cap
-    five instructions instead of eight, the hardware tanh two instead of four. The products of
-    the constants round once where the traced form rounds twice (about an ulp of the tanh's
-    argument; the CPU backend keeps the traced form)."""
-    def const(e):
-        return hasattr(e, "op") and e.op == "const" and e.kind == "float" and \
-            math.isfinite(float(e.args[0]))
-
-    def is_score(e):
-        return hasattr(e, "op") and e.op == "sym" and e.args[0] == "score"
+    The CUDA softmax then folds the factor into its score scale and outer into its exponent's
+    scale (a positive outer keeps the row maxima), and per score computes F alone: exact
+    soft-cap five instructions instead of eight, the hardware tanh two instead of four. F's
+    argument rounds three times in either form (about an ulp apart; the CPU backend keeps the
+    traced form)."""
+    def const(e):  # (a float or int constant: soft_cap(30) traces an int cap)
+        return hasattr(e, "op") and e.op == "const" and e.kind in ("float", "int") and \
+            not isinstance(e.args[0], bool) and math.isfinite(float(e.args[0]))
 
     if score is None or score.op != "*":
         return None
@@ -268,19 +270,23 @@ def scaled_form(score):
     if not const(outer) or float(outer.args[0]) <= 0 or fn.op not in ("tanh", "tanh_approx"):
         return None
     arg = fn.args[0]
-    if is_score(arg):
+    if _is_sym(arg, "score"):
         inner = 1.0
-    elif arg.op == "*" and (is_score(arg.args[0]) or is_score(arg.args[1])):
-        inner_e = arg.args[1] if is_score(arg.args[0]) else arg.args[0]
+    elif arg.op == "*" and (_is_sym(arg.args[0], "score") or _is_sym(arg.args[1], "score")):
+        inner_e = arg.args[1] if _is_sym(arg.args[0], "score") else arg.args[0]
         if not const(inner_e):
             return None
         inner = float(inner_e.args[0])
     else:
         return None
+    call = "ja_tanh_approx(x)"
     if fn.op == "tanh":
-        return float(outer.args[0]), float(np.float32(inner) * np.float32(_TWO_LOG2E)), \
-            "ja_tanh_ex2(x)"
-    return float(outer.args[0]), inner, "ja_tanh_approx(x)"
+        wide = inner * _TWO_LOG2E
+        folded = float(np.float32(wide)) if abs(wide) <= _F32_MAX else math.inf
+        if not math.isfinite(folded) or (folded == 0) != (inner == 0):
+            return None
+        inner, call = folded, "ja_tanh_ex2(x)"
+    return float(outer.args[0]), inner, call
 
 
 def hoist_row_invariants(roots) -> tuple[list, dict]:

@@ -258,9 +258,10 @@ def test_kv_linear_form_equals_the_score_mod_in_cpp(tmp_path):
 
 def test_scaled_form_finds_soft_cap_and_nothing_else():
     """scaled_form: outer * tanh(inner * score) with constant outer > 0 and inner (soft-cap, in
-    either operand order), which the CUDA softmax folds into its scales; ja_tanh's 2 log2(e)
-    joins inner. Anything else (a runtime cap, a negative outer, a shifted argument, a per-head
-    factor, a plain score) keeps the traced form."""
+    either operand order, an int cap too), which the CUDA softmax folds into its scales;
+    ja_tanh's 2 log2(e) joins inner. Anything else (a runtime cap, a zero or negative outer, a
+    shifted argument or result, a per-head factor, an inner that overflows float32 once
+    2 log2(e) joins it, the form under a where) keeps the traced form."""
     cap = ja.scalar("cap")
     found = {
         "softcap": (ja.soft_cap(30.0), (30.0, 2 * math.log2(math.e) / 30, "ja_tanh_ex2(x)")),
@@ -269,6 +270,9 @@ def test_scaled_form_finds_soft_cap_and_nothing_else():
                      (20.0, 2 * math.log2(math.e) / 20, "ja_tanh_ex2(x)")),
         "unscaled": (lambda s, b, h, q, k: 2.0 * ja.tanh(s), (2.0, 2 * math.log2(math.e),
                                                              "ja_tanh_ex2(x)")),
+        "int_cap": (ja.soft_cap(30), (30.0, 2 * math.log2(math.e) / 30, "ja_tanh_ex2(x)")),
+        "approx_commuted": (lambda s, b, h, q, k: ja.tanh(s * 0.5, approx=True) * 4.0,
+                            (4.0, 0.5, "ja_tanh_approx(x)")),
     }
     for name, (fn, want) in found.items():
         score, _ = emit.divisions_as_products(ja.Variant(name, score_mod=fn).score.expr, None)
@@ -282,8 +286,14 @@ def test_scaled_form_finds_soft_cap_and_nothing_else():
         "shifted": lambda s, b, h, q, k: 30.0 * ja.tanh(s / 30.0 + 1.0),
         "per_head": lambda s, b, h, q, k: 30.0 * ja.tanh(s * _SLOPES[h]),
         "exp": lambda s, b, h, q, k: 30.0 * ja.exp(s / 30.0),
+        "zero_outer": lambda s, b, h, q, k: 0.0 * ja.tanh(s),
+        "plus_zero": lambda s, b, h, q, k: 30.0 * ja.tanh(s / 30.0) + 0.0,
+        "inner_overflows_with_2log2e": lambda s, b, h, q, k: 2.0 * ja.tanh(s * 3e38),
+        "under_where": lambda s, b, h, q, k: ja.where(q >= k, 30.0 * ja.tanh(s / 30.0), s),
     }
     for name, fn in kept.items():
         score, _ = emit.divisions_as_products(ja.Variant(name, score_mod=fn).score.expr, None)
-        assert emit.scaled_form(score) is None, name
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (numpy's overflow warning for the folded 3e38)
+            assert emit.scaled_form(score) is None, name
     assert emit.scaled_form(None) is None

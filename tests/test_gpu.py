@@ -112,16 +112,14 @@ def test_runs_on_current_stream():
     torch.testing.assert_close(out, ja.attention(q, k, v, variant))
 
 
-@pytest.mark.parametrize("form", ["ja_tanh(x[i])", "ja_tanh_ex2(x[i] * 2.8853900817779268f)"])
-def test_gpu_tanh_is_within_its_documented_bound(form):
-    """ja_tanh in the CUDA kernels (1 - 2 / (1 + e^(2x)) on ex2 and rcp), and ja_tanh_ex2 (the
-    same on an argument already scaled by 2 log2(e): soft-cap's scaled form): absolute error
-    below 5e-7 against float64 tanh over [-40, 40], and the limits at +-inf exact."""
+def test_gpu_tanh_is_within_its_documented_bound():
+    """ja_tanh in the CUDA kernels (ja_tanh_ex2: 1 - 2 / (1 + e^(2x)) on ex2 and rcp): absolute
+    error below 5e-7 against float64 tanh over [-40, 40], and the limits at +-inf exact."""
     cupy = pytest.importorskip("cupy")
     src = ('#include "jitattn_math.h"\n'
            'extern "C" __global__ void f(const float* x, float* y, int n) {\n'
            '  const int i = blockIdx.x * blockDim.x + threadIdx.x;\n'
-           f'  if (i < n) y[i] = {form};\n}}\n')
+           '  if (i < n) y[i] = ja_tanh(x[i]);\n}\n')
     kernel = cupy.RawKernel(src, "f", options=(f"-I{env.templates_dir() / 'common'}",))
     inf = float("inf")
     x = torch.cat([torch.linspace(-40, 40, (1 << 22) + 1, device="cuda"),
@@ -149,6 +147,23 @@ def test_approximate_soft_cap_is_close_and_only_where_asked():
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref_out.to(out.dtype), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("approx", [False, True])
+def test_soft_cap_folded_into_the_softmax_equals_its_traced_form(approx):
+    """soft_cap(cap) runs in the scaled form (emit.scaled_form: cap and 1 / cap folded into the
+    softmax's scales), cap * tanh(score / cap) + 0.0 in the traced form: the same outputs and
+    lse within rounding, over prefill, a request with fully masked rows and a split-KV decode."""
+    folded = ja.Variant("softcap_folded", mask="causal", score_mod=ja.soft_cap(20.0, approx))
+    traced = ja.Variant("softcap_traced", mask="causal",
+                        score_mod=lambda s, b, h, qi, ki: 20.0 * ja.tanh(s / 20.0, approx) + 0.0)
+    for qo, kv, dtype, d in (([300, 40], [300, 20], torch.float16, 128),
+                             ([1, 1], [5000, 3], torch.bfloat16, 64)):
+        q, k, v, qo_indptr, kv_indptr = make_batch(qo, kv, 8, 2, d, dtype, "cuda", seed=31)
+        outs = [ja.attention(q, k, v, var, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                             return_lse=True) for var in (folded, traced)]
+        torch.testing.assert_close(outs[0][0], outs[1][0], atol=4e-3, rtol=0)
+        torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-4, rtol=0)
 
 
 def test_fullgraph_inductor_compile_on_gpu():

@@ -15,23 +15,13 @@
 #define JA_INF (__builtin_huge_valf())
 #endif
 
-// tanh as 1 - 2 / (1 + e^(2x)) on the GPU: two special-function ops (ex2, rcp) and three
-// others, where CUDA's tanhf takes about 19 (an odd polynomial below |x| = 0.6, selects);
-// absolute error below 5e-7 (tests/test_gpu.py measures it), limits exact at +-inf (the
-// relative error near 0 is larger than tanhf's: the soft-cap's score is off by cap x 5e-7 at
-// most). The CPU backend and the reference run tanhf.
-JA_HD float ja_tanh(float x) {
-#if defined(__CUDA_ARCH__)
-  float e, r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * 2.8853900817779268f));  // 2 log2(e) x
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.0f));
-  return fmaf(-2.0f, r, 1.0f);
-#else
-  return tanhf(x);
-#endif
-}
-// tanh(y / (2 log2(e))) as ja_tanh computes it, for a y already scaled (the CUDA softmax's
-// soft-cap, emit.scaled_form: the scale folds into the score's)
+// tanh(y / (2 log2(e))) as 1 - 2 / (1 + 2^y) on the GPU: two special-function ops (ex2, rcp)
+// and three others, where CUDA's tanhf takes about 19 (an odd polynomial below |x| = 0.6,
+// selects); absolute error below 5e-7 (tests/test_gpu.py measures it through ja_tanh), limits
+// exact at +-inf (the relative error near 0 is larger than tanhf's: the soft-cap's score is off
+// by cap x 5e-7 at most). The CUDA softmax calls it with the 2 log2(e) folded into the score's
+// scale (emit.scaled_form); the CPU backend's kernels never call it (they run the traced
+// score_mod), but its variant.h declares the call: the host form is tanhf's.
 JA_HD float ja_tanh_ex2(float y) {
 #if defined(__CUDA_ARCH__)
   float e, r;
@@ -40,6 +30,14 @@ JA_HD float ja_tanh_ex2(float y) {
   return fmaf(-2.0f, r, 1.0f);
 #else
   return tanhf(y * 0.34657359027997264f);  // ln(2) / 2
+#endif
+}
+// tanh: ja_tanh_ex2 on the GPU; the CPU backend and the reference run tanhf.
+JA_HD float ja_tanh(float x) {
+#if defined(__CUDA_ARCH__)
+  return ja_tanh_ex2(x * 2.8853900817779268f);  // 2 log2(e) x
+#else
+  return tanhf(x);
 #endif
 }
 // tanh on the special-function unit when compiled for a GPU (variants opt in: approx=True)
