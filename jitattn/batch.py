@@ -323,7 +323,7 @@ class BatchPrefill:
                                    if out is None or launch.same_view(out, q) else {"q": q})
         if lse is not None or return_lse:  # (else the kernels store no lse: one allocation less)
             lse = launch.output_buffer("lse", lse, shape[:2], torch.float32, q.device, align=4,
-                                       apart_from={"out": out})
+                                       apart_from={"out": out, "q": q})
         launcher = self._launcher
         if launcher is not None:  # this plan's launch as its first run() resolved it
             layout = self.kv_layout

@@ -15,6 +15,11 @@ from .args import int_arg, over_capacity
 from .plan import check_seq_lens
 from .render import HEAD_DIMS
 
+# num_qo_heads / num_kv_heads at most this: the planner's arrays and the kernels' int32 row
+# arithmetic grow with them (2**31 heads made plan() allocate 16 GiB before it failed), and
+# no model comes near
+MAX_HEADS = (1 << 16) - 1
+
 
 @dataclass(frozen=True)
 class BatchInputs:
@@ -93,8 +98,8 @@ def check_batch(qo, kv_indptr, kv_indices, kv_last_page_len, *, decode: bool, kv
         b = int(bad[0])
         raise ValueError(f"{n_last}[{b}] is {last[b]}; expected 1 .. page_size "
                          f"({page_size}) for a request with pages")
-    num_qo_heads = int_arg("num_qo_heads", num_qo_heads)
-    num_kv_heads = int_arg("num_kv_heads", num_kv_heads)
+    num_qo_heads = int_arg("num_qo_heads", num_qo_heads, maximum=MAX_HEADS)
+    num_kv_heads = int_arg("num_kv_heads", num_kv_heads, maximum=MAX_HEADS)
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
                          f"num_kv_heads ({num_kv_heads})")

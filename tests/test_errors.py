@@ -271,6 +271,25 @@ def test_hints_for_keywords_and_layouts_of_other_libraries():
         d.run(torch.randn(1, 8, 64).half(), cache, sm_scale=0.1)
 
 
+def test_a_planned_run_refuses_lse_inside_q_and_plan_refuses_huge_head_counts():
+    """BatchDecode.run(lse=) with lse inside q's memory (the kernels write lse while other rows
+    still read q: a wrong row, silently) is refused as ja.attention refuses it; head counts
+    past MAX_HEADS are refused before the planner (2**31 heads allocated 16 GiB)."""
+    i32 = dict(dtype=torch.int32)
+    kc, vc = (torch.randn(2, 16, 2, 64).half() for _ in range(2))
+    w = ja.BatchDecode(V, page_size=16, device="cpu")
+    w.plan(torch.tensor([0, 1, 2], **i32), torch.tensor([0, 1], **i32),
+           torch.tensor([16, 16], **i32), 8, 2, 64)
+    buf = torch.randn(2 * 8 * 64).half()
+    with pytest.raises(ValueError, match="lse shares memory with q"):
+        w.run(buf.view(2, 8, 64), (kc, vc), lse=buf.view(torch.float32)[-16:].view(2, 8))
+    for heads in ((2**32, 2**31), (2**16, 1)):
+        with pytest.raises(ValueError, match=r"num_qo_heads=\d+: expected an int in 1 \.\. "
+                                             r"65535"):
+            w.plan(torch.tensor([0, 1], **i32), torch.tensor([0], **i32),
+                   torch.tensor([3], **i32), *heads, 64)
+
+
 def test_out_may_be_q_itself():
     check_out_is_q("cpu")
 
