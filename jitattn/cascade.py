@@ -6,9 +6,11 @@ own history), and the levels' attention states are merged by LSE.
 
 The query rows of every level index the same q [total_q, heads, head_dim]; each level's
 qo_indptr groups them (a level need not contain every row). Levels other than the last attend
-without a mask (their keys all precede their queries); the last level uses the variant's own
-mask. Packing renumbers requests and moves queries to other positions, so only variants whose
-hooks read neither (shared_prefix.layout_features is empty, as for its "cascade") are accepted.
+without a mask (their keys all precede their queries: for a causal variant plan() checks that a
+row they hold has, in its last-level request, at least qo_len - 1 keys of its own); the last
+level uses the variant's own mask. Packing renumbers requests and moves queries to other
+positions, so only variants whose hooks read neither (shared_prefix.layout_features is empty, as
+for its "cascade") are accepted.
 """
 
 from __future__ import annotations
@@ -108,7 +110,40 @@ class MultiLevelCascade:
                     raise  # (a subclass's constructor may take other arguments)
                 raise type(e)(f"level {i}: {e}") from e
             rows.append(self._level_rows(i, int(qo_indptr[i][-1]), q_rows))
+        if self.variant.mask == "causal" and n > 1:
+            self._check_shared_keys_precede(rows)
         self._set_rows(rows)
+
+    def _check_shared_keys_precede(self, rows: list) -> None:
+        """A causal variant's shared levels attend without a mask, so a row of q they hold
+        must come after all their keys: with end-aligned positions, the query's request in the
+        last level needs at least qo_len - 1 keys of its own (query i of a request with more
+        queries sits before the last shared key). Raises ValueError naming the request."""
+        req = self.levels[-1]._plan.requests
+        short = np.nonzero(req[:, 1] > req[:, 2] + 1)[0]
+        if not len(short):
+            return
+
+        def q_rows(r, local):  # rows of q at the level's own rows ``local``
+            if isinstance(r, slice):
+                return np.arange(r.start, r.stop)[local]
+            return r.cpu().numpy()[local]
+        shared = np.zeros(_rows_end(rows), dtype=bool)
+        for r in rows[:-1]:
+            shared[q_rows(r, slice(None))] = True
+        last = len(self.levels) - 1
+        for b in short:
+            q0, qo_len, kv_len = (int(x) for x in req[b, :3])
+            early = q_rows(rows[-1], slice(q0, q0 + qo_len - kv_len - 1))
+            held = early[shared[early]]
+            if len(held):
+                raise ValueError(
+                    f"level {last}'s request {b} has {qo_len} queries and {kv_len} keys of its "
+                    f"own, and a shared level also holds row {int(held[0])} of q, among its "
+                    f"first {len(early)} queries: with mask='causal' (queries aligned to the "
+                    f"end of the keys) those come before some shared keys, which a shared "
+                    f"level, attending without a mask, would show them; give the request at "
+                    f"least qo_len - 1 = {qo_len - 1} keys of its own, or use mask='none'")
 
     def _level_rows(self, i: int, total: int, q_rows):
         """Level i's rows of q: a slice when they are consecutive (given so, or the default
@@ -131,12 +166,11 @@ class MultiLevelCascade:
             raise ValueError(f"q_rows[{i}] must list distinct rows >= 0")
         if total and torch.equal(r, torch.arange(int(r[0]), int(r[0]) + total)):
             return slice(int(r[0]), int(r[0]) + total)
-        return r.to(self.device)
+        return r.to(self.device, copy=True)  # (the caller's tensor may change after plan())
 
     def _set_rows(self, rows: list) -> None:
         self._rows = rows
-        self._min_rows = max((r.stop if isinstance(r, slice) else int(r.max()) + 1
-                              for r in rows if _count(r)), default=0)
+        self._min_rows = _rows_end(rows)
 
     def run(self, q: torch.Tensor, kv_cache, *extra, return_lse: bool = False,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, **params):
@@ -207,6 +241,12 @@ def _run_cascade(ref, *args, **kwargs):
 
 def _count(rows) -> int:
     return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
+
+
+def _rows_end(rows: list) -> int:
+    """One past the largest row of q that the levels' rows (slices or tensors) read."""
+    return max((r.stop if isinstance(r, slice) else int(r.max()) + 1 for r in rows if _count(r)),
+               default=0)
 
 
 # "auto" in CascadeDecode: the cascade pays about CASCADE_OVERHEAD_S more than plain decode

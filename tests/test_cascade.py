@@ -512,3 +512,48 @@ def test_cascade_decode_refuses_a_ragged_layout_it_cannot_plan():
     succeed. The constructor now says so and names what works."""
     with pytest.raises(ValueError, match="MultiLevelCascade\\(variant, 2, kv_layout='ragged'\\)"):
         ja.CascadeDecode(ja.Variant("c", mask="causal"), kv_layout="ragged", device="cpu")
+
+
+def test_causal_shared_levels_need_their_queries_after_the_shared_keys():
+    """A causal variant's shared levels attend without a mask: a request whose queries would
+    come before some shared key (fewer than qo_len - 1 keys of its own: query 0 of 3 over one
+    own key gave 0.126 off the reference) is refused; with qo_len - 1 own keys the cascade
+    equals attention over the whole sequence."""
+    from jitattn import reference
+    i32 = dict(dtype=torch.int32)
+    variant = ja.Variant("causal_levels", mask="causal")
+    q = torch.randn(3, 1, 64).half()
+    m = ja.MultiLevelCascade(variant, 2, page_size=4, device="cpu")
+    levels = ([torch.tensor([0, 3], **i32)] * 2,
+              [torch.tensor([0, 2], **i32), torch.tensor([0, 1], **i32)],
+              [torch.tensor([0, 1], **i32), torch.tensor([2], **i32)])
+    with pytest.raises(ValueError, match=r"level 1's request 0 has 3 queries and 1 keys of its "
+                                         r"own, and a shared level also holds row 0 of q.* at "
+                                         r"least qo_len - 1 = 2 keys"):
+        m.plan(*levels, [torch.tensor([4], **i32), torch.tensor([1], **i32)], 1, 1, 64)
+    with pytest.raises(RuntimeError, match="before plan"):
+        m.run(q, tuple(torch.randn(3, 4, 1, 64).half() for _ in range(2)))
+    kc, vc = (torch.randn(3, 4, 1, 64).half() for _ in range(2))
+    m.plan(*levels, [torch.tensor([4], **i32), torch.tensor([2], **i32)], 1, 1, 64)
+    k, v = (torch.cat([c[0], c[1], c[2, :2]]) for c in (kc, vc))
+    torch.testing.assert_close(m.run(q, (kc, vc)).double(), reference.attention(q, k, v, variant),
+                               **TOL[torch.float16])
+
+
+def test_q_rows_are_copied_at_plan():
+    """The caller's q_rows tensor may change after plan(): run() keeps the planned rows (a CPU
+    tensor was kept by reference, and a later row past q raised inside torch's indexing)."""
+    i32 = dict(dtype=torch.int32)
+    cache = tuple(torch.randn(12, 4, 2, 64).half() for _ in range(2))
+    q = torch.randn(4, 4, 64).half()
+    m = ja.MultiLevelCascade(ja.Variant("rows_copied", mask="none"), 2, page_size=4,
+                             device="cpu")
+    rows = torch.tensor([2, 0])
+    m.plan([torch.tensor([0, 2], **i32), torch.arange(5, **i32)],
+           [torch.tensor([0, 2], **i32), torch.tensor([0, 1, 3, 4, 6], **i32)],
+           [torch.tensor([0, 1], **i32), torch.arange(2, 8, **i32)],
+           [torch.tensor([4], **i32), torch.tensor([3, 4, 2, 1], **i32)], 4, 2, 64,
+           q_rows=[rows, None])
+    before = m.run(q, cache)
+    rows[0] = 7
+    assert torch.equal(m.run(q, cache), before)
