@@ -216,7 +216,8 @@ def find_shared_prefixes(requests: Sequence[Sequence[int]], block_size: int,
     text, 2-D requests, ids beyond int64).
     """
     trie = PrefixTrie(block_size)
-    if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable) or \
+            getattr(requests, "ndim", None) == 0:  # (a 0-d tensor is Iterable, not iterable)
         raise TypeError(f"requests={requests!r}: expected one sequence of token ids per "
                         f"request")  # (None raised "'NoneType' object is not iterable")
     if isinstance(requests, (Set, Mapping)):  # (groups name requests by position)

@@ -372,6 +372,13 @@ class SharedPrefixPrefill:
                 if t.dtype != dtype:
                     raise TypeError(f"{name} has dtype {t.dtype}; the plan was made for {dtype} "
                                     f"(plan(..., q_dtype=) sets it)")
+        for name, t in (("k", k), ("v", v)):  # (else a strategy's inner call names k_cache, in
+            #                                     its own layout's strides)
+            if t.stride(-1) != 1 or t.stride(0) * t.element_size() % 16 or \
+                    t.stride(1) * t.element_size() % 16 or t.data_ptr() % 16:
+                raise ValueError(f"{name} has strides {t.stride()}; expected the last dim "
+                                 f"contiguous, other strides multiples of 16 bytes, 16-byte "
+                                 f"aligned")
         caller_out = out is not None
         # (contiguous, as q may not be)
         given = out = launch.output_buffer("out", out, q.shape, q.dtype, q.device)

@@ -134,6 +134,9 @@ def test_token_ids_are_checked_not_truncated():
                                             r"requests")):
         with pytest.raises(error, match=text):
             find_shared_prefixes([bad, same], 16)
+    with pytest.raises(TypeError, match=r"requests=tensor\(1\): expected one sequence of "
+                                        r"token ids per request"):  # (torch's own error was
+        find_shared_prefixes(torch.tensor(1), 16)                   # a 0-d tensor's iteration)
     want = find_shared_prefixes([same, same + [1], same[:20]], 16)
     assert want == [PrefixGroup(16, (0, 1, 2))]  # (a tie with {0, 1} at 32: together)
     for convert in (np.array, torch.tensor, lambda x: torch.tensor(x, dtype=torch.int32),

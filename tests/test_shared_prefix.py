@@ -270,3 +270,18 @@ def test_capacity_errors_read_the_same_from_every_planner():
             wrapper.plan(torch.tensor([0, n], **i32), torch.tensor([0, n], **i32), None, None,
                          num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, **kwargs)
         assert str(early.value).endswith(str(late.value)), (early.value, late.value)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_k_and_v_strides_are_named_as_given(strategy):
+    """k / v with strides the kernels cannot address are refused as "k" / "v" in the caller's
+    layout (a strategy's inner wrapper named k_cache, with its own layout's strides)."""
+    sp = SharedPrefixPrefill(ja.Variant("strided_kv", mask="causal"), strategy, device="cpu")
+    sp.plan(20, [5, 3], 4, 2, 64)
+    q, k = torch.randn(28, 4, 64).half(), torch.randn(28, 2, 64).half()
+    strided = torch.randn(28, 2, 128).half()[:, :, ::2]
+    with pytest.raises(ValueError, match=r"^k has strides \(256, 128, 2\); expected the last "
+                                         r"dim contiguous"):
+        sp.run(q, strided, k)
+    with pytest.raises(ValueError, match=r"^v has strides \(256, 128, 2\)"):
+        sp.run(q, k, strided)
