@@ -152,7 +152,8 @@ def tensor(name: str, shape, dtype="float32") -> TensorParam:
 class Expr:
     """A node of a traced expression: ``op`` with ``args``, of kind float / int / bool."""
 
-    __slots__ = ("op", "args", "kind")
+    # (int_range: emit.int_range's memo; a node never changes after it is made)
+    __slots__ = ("op", "args", "kind", "int_range")
 
     def __init__(self, op: str, args: tuple, kind: str):
         self.op, self.args, self.kind = op, args, kind
@@ -217,6 +218,18 @@ class Expr:
     def __array__(self, *a, **k):
         raise SpecError("numpy functions cannot be traced; use the ja.* functions")
 
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        # numpy's operators reach here with a numpy scalar on the left (np.float32(2.0) * score,
+        # soft_cap(np.float64(30.0))): the operator on Python numbers, which the DSL takes;
+        # numpy functions (np.tanh) and numpy arrays are not traceable
+        # (numpy passes a scalar as itself, or for comparisons as a 0-d array)
+        op = _NUMPY_OPERATORS.get(ufunc)
+        if op is None or method != "__call__" or kwargs or \
+                any(isinstance(x, np.ndarray) and x.ndim for x in inputs):
+            raise SpecError(f"numpy's {getattr(ufunc, '__name__', ufunc)} cannot be traced; use "
+                            f"the ja.* functions, and Python numbers or numpy scalars")
+        return op(*(x.item() if isinstance(x, (np.generic, np.ndarray)) else x for x in inputs))
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func is torch.Tensor.__getitem__ and isinstance(args[0], torch.Tensor):
@@ -228,6 +241,15 @@ class Expr:
 
     def __repr__(self):
         return f"Expr<{self.kind}>({emit_cpp(self)})"
+
+
+_NUMPY_OPERATORS = {
+    np.add: operator.add, np.subtract: operator.sub, np.multiply: operator.mul,
+    np.true_divide: operator.truediv, np.floor_divide: operator.floordiv,
+    np.remainder: operator.mod, np.power: operator.pow, np.less: operator.lt,
+    np.less_equal: operator.le, np.greater: operator.gt, np.greater_equal: operator.ge,
+    np.equal: operator.eq, np.not_equal: operator.ne, np.bitwise_and: operator.and_,
+    np.bitwise_or: operator.or_, np.bitwise_xor: operator.xor}
 
 
 def _lift(x) -> Expr:
@@ -321,6 +343,8 @@ def tanh(x, approx: bool = False) -> Expr:
     (tanhf's is about 1 ulp; five instructions against about 19). approx=True uses the hardware
     tanh instead (PTX tanh.approx.f32, relative error about 2^-11). The CPU backend and the
     reference run tanhf either way."""
+    if not isinstance(approx, (bool, np.bool_)):  # ("False" would count as true)
+        raise SpecError(f"tanh: approx={approx!r}: expected True or False")
     return Expr("tanh_approx" if approx else "tanh", (_lift(x),), "float")
 
 

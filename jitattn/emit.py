@@ -50,12 +50,24 @@ _I32 = (-(1 << 31), (1 << 31) - 1)
 _NARROW_OPS = {"const", "sym", "index", "neg", "+", "-", "*", "abs", "min", "max", "where"}
 
 
+_UNKNOWN = object()
+
+
 def int_range(e) -> tuple[int, int] | None:
     """(lowest, highest) value of an int expression by interval arithmetic over the symbols'
     ranges (_SYMBOL_RANGE), int constants, int32 tensor reads, // and % by constants and **;
-    None where not known (other ops, int64 tensors, non-int expressions)."""
+    None where not known (other ops, int64 tensors, non-int expressions). Kept on the node:
+    tracing asks it of every new int node, and without the memo a subexpression reused in a
+    loop was walked once per use (22 rounds of x = where(x > 7, x - 7, x + 1): 30 s)."""
     if getattr(e, "kind", None) != "int":
         return None
+    r = getattr(e, "int_range", _UNKNOWN)
+    if r is _UNKNOWN:
+        r = e.int_range = _int_range(e)
+    return r
+
+
+def _int_range(e) -> tuple[int, int] | None:
     op, a = e.op, e.args
     if op == "const":
         return (a[0], a[0])

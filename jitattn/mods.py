@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import numbers
 
+import numpy as np
 import torch
 
 from . import dsl
@@ -16,8 +18,11 @@ def soft_cap(cap: float, approx: bool = False):
     cap: a Python float (compiled in) or a ``ja.scalar`` (runtime). approx: on the GPU, tanh on
     the hardware approximation (``ja.tanh(x, approx=True)``: faster, scores off by up to about
     cap * 2^-11); by default off by at most cap * 5e-7 (``ja.tanh``)."""
-    if isinstance(cap, (int, float)) and not 0 < cap < math.inf:
+    if isinstance(cap, (bool, np.bool_)) or \
+            (isinstance(cap, numbers.Real) and not 0 < cap < math.inf):
         raise dsl.SpecError(f"soft_cap: cap={cap!r} must be finite and > 0")
+    if not isinstance(approx, (bool, np.bool_)):  # ("False" would count as true)
+        raise dsl.SpecError(f"soft_cap: approx={approx!r}: expected True or False")
 
     def softcap(score, b, h, q_idx, kv_idx):
         return cap * dsl.tanh(score / cap, approx=approx)

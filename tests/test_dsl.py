@@ -350,3 +350,47 @@ def test_variants_traced_in_two_threads_capture_their_own_tensors():
     assert sorted(built) == ["A", "B"]  # (a thread that raised built nothing)
     assert [id(p.captured) for p in built["A"].tensor_params] == [id(ta), id(tc)]
     assert [id(p.captured) for p in built["B"].tensor_params] == [id(tb)]
+
+
+def test_a_subexpression_reused_in_a_loop_traces_in_linear_time():
+    """emit.int_range, asked of every new int node while tracing, walked a shared
+    subexpression once per use: 22 rounds of this loop took 30 s before the size error."""
+    import time
+
+    def bucketed(b, h, q_idx, kv_idx):
+        x = kv_idx - q_idx
+        for _ in range(24):  # (without the memo: over a minute, not forever)
+            x = ja.where(x > 7, x - 7, x + 1)
+        return x < 3
+    start = time.perf_counter()
+    with pytest.raises(ja.SpecError, match="operations deep"):
+        ja.Variant("bucketed", mask="none", mask_mod=bucketed)
+    assert time.perf_counter() - start < 5
+
+
+def test_numpy_scalars_on_either_side_and_bool_flags():
+    """A numpy scalar on the left of an operator (np.float32(2.0) * score, soft_cap of a numpy
+    cap, np.int64(5) > kv_idx) traces as the Python number does (numpy's operator reached
+    Expr.__array__ and was refused as a numpy function); numpy functions and arrays are still
+    refused, and approx= must be a bool ("False" picked the hardware tanh)."""
+    from jitattn import emit
+    pairs = [(lambda s, b, h, q, k: np.float32(2.0) * s, lambda s, b, h, q, k: 2.0 * s),
+             (ja.soft_cap(np.float64(30.0)), ja.soft_cap(30.0)),
+             (lambda s, b, h, q, k: s + np.int64(3) * (k - q),
+              lambda s, b, h, q, k: s + 3 * (k - q))]
+    for with_numpy, plain in pairs:
+        got, want = (emit.emit_cpp(ja.Variant("v", score_mod=f).score.expr)
+                     for f in (with_numpy, plain))
+        assert got == want
+    mask = ja.Variant("m", mask="none", mask_mod=lambda b, h, q, k: np.int64(5) > k)
+    assert emit.emit_cpp(mask.mask_pred.expr) == "(kv_idx < (5))"
+    for bad, text in ((lambda s, b, h, q, k: np.tanh(s), "numpy's tanh cannot be traced"),
+                      (lambda s, b, h, q, k: np.ones(3) * s, "numpy's multiply cannot be")):
+        with pytest.raises(ja.SpecError, match=text):
+            ja.Variant("bad", score_mod=bad)
+    with pytest.raises(ja.SpecError, match=r"soft_cap: approx='False': expected True or False"):
+        ja.soft_cap(30.0, approx="False")
+    with pytest.raises(ja.SpecError, match=r"tanh: approx=0\.0: expected True or False"):
+        ja.Variant("t", score_mod=lambda s, b, h, q, k: ja.tanh(s, approx=0.0))
+    with pytest.raises(ja.SpecError, match=r"soft_cap: cap=True must be finite and > 0"):
+        ja.soft_cap(True)
