@@ -256,7 +256,7 @@ def kv_linear(score):
 
 
 _TWO_LOG2E = 2.0 * math.log2(math.e)  # ja_tanh_ex2 takes 2 log2(e) x
-_F32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def scaled_form(score):
@@ -294,7 +294,7 @@ def scaled_form(score):
     call = "ja_tanh_approx(x)"
     if fn.op == "tanh":
         wide = inner * _TWO_LOG2E
-        folded = float(np.float32(wide)) if abs(wide) <= _F32_MAX else math.inf
+        folded = float(np.float32(wide)) if abs(wide) <= FLOAT32_MAX else math.inf
         if not math.isfinite(folded) or (folded == 0) != (inner == 0):
             return None
         inner, call = folded, "ja_tanh_ex2(x)"

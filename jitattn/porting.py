@@ -46,10 +46,8 @@ _FLASHINFER_CTOR = {
 # keywords of SDPA's, FlexAttention's or FlashInfer's attention calls that reach a jitattn call's
 # variant parameters (spec.Variant.check_param_names): where each lives here
 CALL_KEYWORDS_ELSEWHERE = {
-    "causal": "the Variant's mask (Variant(..., mask='causal'), the default, or mask='none')",
-    "is_causal": "the Variant's mask (Variant(..., mask='causal'), the default, or mask='none')",
-    "window_left": "the Variant's (Variant(..., window_left=W))",
-    "logits_soft_cap": "the Variant's score_mod (score_mod=ja.soft_cap(cap))",
+    **{name: _FLASHINFER_PLAN[name] for name in ("causal", "window_left", "logits_soft_cap")},
+    "is_causal": _FLASHINFER_PLAN["causal"],
     "attn_mask": "the Variant's mask_mod, or mask='custom' with BatchPrefill.plan(custom_mask=)",
     "block_mask": "the Variant's mask_mod",
     "enable_gqa": "not needed: q's heads may be a multiple of k's",
@@ -96,7 +94,6 @@ def _positional_hints(signature, args, kwargs, ctor: str) -> list:
              if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     ragged = bool(args) and getattr(args[0], "kv_layout", None) == "ragged"
     hints = []
-
     if "kv_indptr" in names and len(args) > len(names) and names[-1] == "head_dim" and \
             not ragged:  # (a ragged plan has no page_size: FlashInfer's next is head_dim_vo)
         hints.append(f"the argument after head_dim ({args[len(names)]!r}) would be FlashInfer's "

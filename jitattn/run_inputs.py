@@ -23,6 +23,13 @@ def split_cache(kv_cache, kv_layout: str):
     return kv_cache
 
 
+def kv_strides_fit(t: torch.Tensor) -> bool:
+    """Whether the kernels can address K / V tensor ``t``: its last dim contiguous, its other
+    strides multiples of 16 bytes, its start 16-byte aligned."""
+    return t.stride(-1) == 1 and not any(s * t.element_size() % 16 for s in t.stride()[:-1]) \
+        and not t.data_ptr() % 16
+
+
 class RunInputs:
     """What run() accepts after one plan(): q [total_q, num_qo_heads, head_dim] of q_dtype and
     K/V caches whose pages (NHD [page_size, Hkv, D], HND [Hkv, page_size, D]) or ragged rows
@@ -93,8 +100,7 @@ class RunInputs:
             if c.device != q.device or q.device != self.device:
                 raise ValueError(f"q is on {q.device}, {name} on {c.device}; the wrapper "
                                  f"was built for {self.device}")
-            if c.stride(-1) != 1 or any(s * c.element_size() % 16 for s in c.stride()[:-1]) \
-                    or c.data_ptr() % 16:
+            if not kv_strides_fit(c):
                 raise ValueError(f"{name} has strides {c.stride()}; expected the last dim "
                                  f"contiguous, other strides multiples of 16 bytes, 16-byte "
                                  f"aligned")

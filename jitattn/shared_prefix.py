@@ -48,6 +48,7 @@ from .merge import merge_state_in_place
 from .plan import check_seq_lens
 from .prefix import multi_item_metadata
 from .render import QUERY_TILES, tiles_for
+from .run_inputs import kv_strides_fit
 from .spec import Variant
 
 STRATEGIES = ("naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
@@ -374,8 +375,7 @@ class SharedPrefixPrefill:
                                     f"(plan(..., q_dtype=) sets it)")
         for name, t in (("k", k), ("v", v)):  # (else a strategy's inner call names k_cache, in
             #                                     its own layout's strides)
-            if t.stride(-1) != 1 or t.stride(0) * t.element_size() % 16 or \
-                    t.stride(1) * t.element_size() % 16 or t.data_ptr() % 16:
+            if not kv_strides_fit(t):
                 raise ValueError(f"{name} has strides {t.stride()}; expected the last dim "
                                  f"contiguous, other strides multiples of 16 bytes, 16-byte "
                                  f"aligned")

@@ -26,9 +26,9 @@ import torch
 from . import dsl, tracing
 from .args import int_arg
 from .dsl import ScalarParam, SpecError, TensorParam
+from .emit import FLOAT32_MAX
 from .porting import CALL_KEYWORDS_ELSEWHERE
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 # captured tensors as a torch.compile graph passed them to a jitattn op (ops.py), by parameter
 # name: their current values, where the Variant's own tensor may not have received an in-place
 # change the graph made before the op yet (functionalization writes it back after the graph)
@@ -106,7 +106,7 @@ class RoPE:
         object.__setattr__(self, "scaling", sc or None)
         object.__setattr__(self, "theta", float(self.theta))
         # the largest frequency (pair 0's, at any head_dim) goes into the kernels as float32
-        if self.inv_freq(2).max() > _FLOAT32_MAX:
+        if self.inv_freq(2).max() > FLOAT32_MAX:
             raise SpecError(f"RoPE scaling {dict(sc)}: frequencies up to "
                             f"{self.inv_freq(2).max():.3g} do not fit float32 (the kernels' "
                             f"frequency table)")
@@ -311,7 +311,7 @@ class Variant:
                                     f"{type(val).__name__}{hint}")
                 try:  # the kernels take float32: a larger value would become inf there
                     val = float(val)
-                    finite = abs(val) <= _FLOAT32_MAX
+                    finite = abs(val) <= FLOAT32_MAX
                 except OverflowError:
                     finite = False
                 if not finite:
