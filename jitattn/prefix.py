@@ -141,37 +141,58 @@ class PrefixTrie:
         return matched
 
     def groups(self, min_members: int = 2) -> list[PrefixGroup]:
-        """Partition the inserted requests into groups that share a block prefix, choosing at
-        every branch of the trie what saves more prefix tokens (saving = prefix_len *
-        (members - 1)): keep the members together at this depth, or let the branches go
-        deeper apart, in which case the members the branches leave alone are grouped at this
-        depth. Groups smaller than ``min_members`` get prefix_len 0. Deterministic: groups
-        ordered by their first member. Iterative, so deep tries of many branches are fine.
-        min_members: an int >= 2 (TypeError / ValueError otherwise).
-        The choice is made once per branch point, bottom up: every group's prefix is one its
-        members share, but a batch can have a partition that saves more (find_shared_prefixes
-        of [[0,1,0,1,1,0], [0,1,0,0], [0,1,1,0,0,0], [0,0,0,0], [0,1,0,1]] at block_size 1
-        gives {0,1,2,4} at 2 tokens and {3}: 6 saved, where {0,1,4} at 3 and {2,3} at 1 save
-        7)."""
+        """Partition the inserted requests into groups that share a block prefix, saving as
+        many prefix tokens as any partition can (saving = prefix_len * (members - 1), summed
+        over the groups). Groups smaller than ``min_members`` get prefix_len 0. Deterministic:
+        groups ordered by their first member; of equally good partitions, the one whose
+        requests stay together higher in the trie (fewer, larger groups). min_members: an int
+        >= 2 (TypeError / ValueError otherwise).
+
+        Algorithm: a dynamic programme over the trie's branch points, bottom up (a tree
+        knapsack): best[v][k] is the most saved by groups below v when k of v's requests are
+        left ungrouped for a group nearer the root; a group at depth d of j requests saves
+        d * (j - 1). O(requests^2) time at worst; iterative, so deep tries are fine. (A greedy
+        choice per branch point can miss the best partition: at block size 1,
+        [[0,1,0,1,1,0], [0,1,0,0], [0,1,1,0,0,0], [0,0,0,0], [0,1,0,1]] is best split as
+        {0,1,4} sharing 3 tokens and {2,3} sharing 1, 7 saved, not {0,1,2,4} at 2: 6.)"""
         min_members = int_arg("min_members", min_members, minimum=2)
-        # branch points (chains of single children are walked, not stacked), post-order
-        best = {}  # id(node) -> (saving, groups)
-        stack = [(self.root, 0, False)]
+        top = self._walk(self.root)
+        order, stack = [], [top]  # branch points, parents before children
         while stack:
-            node, depth, expanded = stack.pop()
-            while len(node.children) == 1:
-                (nxt,) = node.children.values()
-                if len(nxt.members) != len(node.members):
-                    break
-                node, depth = nxt, depth + 1
-            if not expanded and node.children:
-                stack.append((node, depth, True))
-                stack += [(child, depth + 1, False) for child in node.children.values()]
-                continue
-            best[id(node)] = self._choose(node, depth, min_members, best)
-        return sorted(best[id(self._walk(self.root))][1], key=lambda g: g.members[0])
+            node = stack.pop()
+            order.append(node)
+            stack += [self._walk(c) for c in node.children.values()]
+        depth = {id(top): self._depth(self.root, top)}
+        for node in order:
+            for child in node.children.values():
+                below = self._walk(child)
+                depth[id(below)] = depth[id(node)] + 1 + self._depth(child, below)
+        plans = {}
+        for node in reversed(order):  # children before parents
+            plans[id(node)] = _BranchPlan(node, [plans[id(self._walk(c))]
+                                                 for c in node.children.values()],
+                                          depth[id(node)] * self.block_size, min_members)
+        # top down: how many requests each branch point passes up, then who they are
+        top_plan = plans[id(top)]
+        need = {id(top): int(np.argmax(top_plan.best))}  # (the first of equal savings)
+        for node in order:
+            plan = plans[id(node)]
+            for child, count in zip(plan.children, plan.split(need[id(node)])):
+                need[id(child.node)] = count
+        passed, groups = {}, []
+        for node in reversed(order):
+            plan = plans[id(node)]
+            pool = sorted(plan.ending + [m for c in plan.children for m in passed[id(c.node)]])
+            size = len(pool) - need[id(node)]
+            if size:
+                groups.append(PrefixGroup(plan.prefix_len, tuple(pool[:size])))
+            passed[id(node)] = pool[size:]
+        groups += [PrefixGroup(0, (m,)) for m in passed[id(top)]]
+        return sorted(groups, key=lambda g: g.members[0])
 
     def _walk(self, node: _Node) -> _Node:
+        """The branch point at the end of node's chain of single children that every one of
+        node's requests passes through."""
         while len(node.children) == 1:
             (nxt,) = node.children.values()
             if len(nxt.members) != len(node.members):
@@ -179,27 +200,72 @@ class PrefixTrie:
             node = nxt
         return node
 
-    def _choose(self, node: _Node, depth: int, min_members: int, best: dict):
-        size = depth * self.block_size
+    @staticmethod
+    def _depth(node: _Node, below: _Node) -> int:
+        steps = 0
+        while node is not below:
+            (node,) = node.children.values()
+            steps += 1
+        return steps
 
-        def together(members):
-            if len(members) >= min_members and depth > 0:
-                return size * (len(members) - 1), [PrefixGroup(size, tuple(members))]
-            return 0, [PrefixGroup(0, (m,)) for m in members]
-        stay = together(node.members)
-        if not node.children:
-            return stay
-        saving, groups, alone = 0, [], []
-        for child in node.children.values():
-            s, g = best[id(self._walk(child))]
-            saving += s
-            for group in g:
-                (alone.extend(group.members) if group.prefix_len == 0 else groups.append(group))
+
+class _BranchPlan:
+    """PrefixTrie.groups' table at one branch point (prefix_len tokens deep): best[k], the most
+    prefix tokens saved by the groups in its subtree when k of its requests are passed up
+    ungrouped (-inf where impossible), and how each entry was reached."""
+
+    def __init__(self, node: _Node, children: list, prefix_len: int, min_members: int):
+        self.node, self.children, self.prefix_len = node, children, prefix_len
         covered = {m for c in node.children.values() for m in c.members}
-        alone += [m for m in node.members if m not in covered]
-        s, g = together(sorted(alone))
-        split = (saving + s, groups + g)
-        return stay if stay[0] >= split[0] else split
+        self.ending = [m for m in node.members if m not in covered]  # requests that end here
+        pool = np.full(len(self.ending) + 1, -np.inf)
+        pool[-1] = 0.0  # pool[p]: best saving below when p requests reach this point
+        self._from_child = []  # per child, pool index -> how many that child passed up
+        for child in children:
+            pool, took = _max_plus(pool, child.best)
+            self._from_child.append(took)
+        self._pool = pool
+        # best[k]: pass all p = k up, or group p - k >= min_members of them here, which
+        # saves prefix_len * (p - k - 1): the largest such p of the most gain (p + k <= len)
+        self.best, self._grouped = pool.copy(), np.arange(len(pool))
+        if prefix_len > 0 and len(pool) > min_members:
+            gain = (pool + prefix_len * np.arange(len(pool)))[::-1]  # reversed: p = n - 1 - r
+            most = np.maximum.accumulate(gain)  # most[r]: best gain over p >= n - 1 - r
+            new = gain > np.concatenate(([-np.inf], most[:-1]))
+            where = np.maximum.accumulate(np.where(new, np.arange(len(gain)), 0))
+            k = np.arange(len(pool) - min_members)
+            r = len(pool) - 1 - (k + min_members)
+            value = most[r] - prefix_len * (k + 1)
+            better = value > self.best[k]  # (equal: pass up, to stay together higher up)
+            self.best[k[better]] = value[better]
+            self._grouped[k[better]] = len(pool) - 1 - where[r[better]]
+
+    def split(self, k: int) -> list[int]:
+        """How many requests each child passes up when this point passes up k."""
+        p, counts = int(self._grouped[k]), []
+        for took in reversed(self._from_child):
+            counts.append(int(took[p]))
+            p -= counts[-1]
+        return counts[::-1]
+
+
+def _max_plus(a: np.ndarray, b: np.ndarray):
+    """(c, took): c[t] = max over i + j = t of a[i] + b[j], took[t] the j of one such
+    maximum (the same one every time)."""
+    c, took = np.full(len(a) + len(b) - 1, -np.inf), np.zeros(len(a) + len(b) - 1, np.int64)
+    if len(a) <= len(b):
+        for i in range(len(a)):
+            cand = a[i] + b
+            better = cand > c[i:i + len(b)]
+            c[i:i + len(b)][better] = cand[better]
+            took[i:i + len(b)][better] = np.arange(len(b))[better]
+    else:
+        for j in range(len(b)):
+            cand = a + b[j]
+            better = cand > c[j:j + len(a)]
+            c[j:j + len(a)][better] = cand[better]
+            took[j:j + len(a)][better] = j
+    return c, took
 
 
 def find_shared_prefixes(requests: Sequence[Sequence[int]], block_size: int,
