@@ -111,10 +111,13 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def merge_state_in_place(o, lse, o_other, lse_other, *, reduction: str = "softmax") -> None:
     """Merge (o_other, lse_other) into (o, lse), overwriting o and lse: one pass over the
-    states, no copies. Raises ValueError if o_other / lse_other overlap o / lse (the merge
-    would read rows it has overwritten). See merge_states."""
-    for name, x, y in (("o_other", o_other, o), ("lse_other", lse_other, lse)):
+    states, no copies. Raises ValueError if o_other or lse_other overlaps o or lse, or o
+    overlaps lse (the merge would read rows it has overwritten). See merge_states."""
+    for name, x, other, y in (("o_other", o_other, "o", o), ("o_other", o_other, "lse", lse),
+                              ("lse_other", lse_other, "o", o),
+                              ("lse_other", lse_other, "lse", lse), ("o", o, "lse", lse)):
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and _overlap(x, y):
-            raise ValueError(f"merge_state_in_place: {name} overlaps the state merged into")
+            raise ValueError(f"merge_state_in_place: {name} overlaps {other}, which the merge "
+                             f"overwrites; pass a copy ({name}.clone())")
     _merge_pair(o, lse, o_other, lse_other, o, lse, reduction, caller="merge_state_in_place",
                 names=("o, lse", "o_other, lse_other"))

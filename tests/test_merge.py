@@ -149,3 +149,12 @@ def test_in_place_merge_rejects_overlapping_states():
     with pytest.raises(ValueError, match="lse_other overlaps"):
         ja.merge_state_in_place(o[:3], lse[:3], o[3:], lse[2:5])
     ja.merge_state_in_place(o[:3], lse[:3], o[3:], lse[3:])  # disjoint halves of one buffer
+    # across o and lse (were accepted: an lse_other inside o's rows gave o off by up to 2)
+    buf = torch.randn(3 * 2 * 64 + 3 * 2)
+    o_in, lse_tail = buf[:3 * 2 * 64].view(3, 2, 64), buf[3 * 2 * 64:].view(3, 2)
+    for args, text in (((o_in, lse[:3], o[3:], buf[64:70].view(3, 2)), "lse_other overlaps o"),
+                       ((o[:3], buf[:6].view(3, 2), o_in, lse[3:]), "o_other overlaps lse"),
+                       ((o_in, buf[6:12].view(3, 2), o[3:], lse[3:]), "o overlaps lse")):
+        with pytest.raises(ValueError, match=text):
+            ja.merge_state_in_place(*args)
+    ja.merge_state_in_place(o_in, lse_tail, o[3:], lse[3:])  # o and lse side by side
