@@ -7,9 +7,14 @@ overloading records what they compute as a tree of :class:`Expr`. The tree has t
 :func:`emit_cpp` (a C++ expression for the CUDA and CPU templates) and ``evaluate.evaluate``
 (torch ops, used by ``reference.py``).
 
-Each node has a kind: ``"float"`` (computed in float32 by the kernels), ``"int"`` (int32) or
-``"bool"``. Python floats become compile-time constants; :func:`scalar` and :func:`tensor` are
-runtime parameters; a torch tensor captured by closure and indexed by symbols becomes a runtime
+Each node has a kind: ``"float"`` (computed in float32 by the kernels), ``"int"`` (exact as
+Python's within int64; emitted in 32 bits where emit.int_range proves the values fit) or
+``"bool"``. The torch functions and tensor methods FlexAttention's mods use (torch.where,
+torch.tanh, .abs(), .clamp(), b.new_ones(()) as in torch's and_masks, ...) trace to the same
+nodes as the ``ja.*`` functions (TORCH_FUNCTIONS).
+
+Python floats become compile-time constants; :func:`scalar` and :func:`tensor` are runtime
+parameters; a torch tensor captured by closure and indexed by symbols becomes a runtime
 tensor parameter (FlexAttention style), bound at call time, its values never in the cache key.
 Tensor indices are clamped into range in every backend, so a kernel never reads out of bounds
 (a dimension of size 0 is rejected when binding, except where a size it is declared over is 0:
@@ -71,6 +76,7 @@ class TensorParam:
     dtype: torch.dtype
     captured: torch.Tensor | None = None
     label: str | None = None  # a captured tensor's Python name, for messages (not the key)
+    scalar_of: torch.Tensor | None = None  # the 0-d tensor ``captured`` is a 1-element view of
 
     @property
     def display(self) -> str:
@@ -89,15 +95,17 @@ class TensorParam:
     def __getitem__(self, idx) -> "Expr":
         idx = idx if isinstance(idx, tuple) else (idx,)
         if len(idx) != len(self.shape):
-            raise SpecError(f"tensor {self.name!r} has {len(self.shape)} dimensions "
-                            f"{self.shape} but was indexed with {len(idx)} indices")
+            hint = " (index every dimension at once: t[h, kv_idx], not t[h][kv_idx])" \
+                if len(idx) < len(self.shape) else ""
+            raise SpecError(f"tensor {self.display!r} has {len(self.shape)} dimensions "
+                            f"{self.shape} but was indexed with {len(idx)} indices{hint}")
         nodes = []
         for i, ix in enumerate(idx):
             node = _lift(ix)
             if node.kind != "int":
-                raise SpecError(f"tensor {self.name!r} dimension {i} is indexed by a {node.kind} "
-                                f"expression ({emit_cpp(node)}); indices must be integer "
-                                f"expressions of b, h, q_idx, kv_idx and int constants")
+                raise SpecError(f"tensor {self.display!r} dimension {i} is indexed by a "
+                                f"{node.kind} expression ({emit_cpp(node)}); indices must be "
+                                f"integer expressions of b, h, q_idx, kv_idx and int constants")
             nodes.append(node)
         tag = dtypes.tag(self.dtype)
         kind = "float" if dtypes.is_float_tag(tag) else ("bool" if tag == "bool" else "int")
@@ -194,6 +202,43 @@ class Expr:
         if self.kind == "float":
             raise SpecError("'~' needs a bool or int expression, got a float one")
         return Expr("~", (self,), self.kind)
+    def __rshift__(self, o): return _shift(self, o, right=True)
+    def __lshift__(self, o): return _shift(self, o, right=False)
+
+    # -- torch's tensor methods that FlexAttention's mods call (TORCH_FUNCTIONS) --------------
+    def abs(self): return abs_(self)
+    def exp(self): return exp(self)
+    def log(self): return log(self)
+    def sigmoid(self): return sigmoid(self)
+    def tanh(self): return tanh(self)
+    def sqrt(self): return _binary("**", self, 0.5)
+    def clamp(self, min=None, max=None): return _clamp(self, min, max)  # noqa: A002
+    clip = clamp
+    def clamp_min(self, min): return _clamp(self, min, None)  # noqa: A002
+    def clamp_max(self, max): return _clamp(self, None, max)  # noqa: A002
+    def float(self): return _to_kind(self, "float", "float()")
+    def bool(self): return _to_kind(self, "bool", "bool()")
+    def long(self): return _to_kind(self, "int", "long()")
+    def int(self): return _to_int32(self)
+    def to(self, *args, **kwargs): return _to(self, *args, **kwargs)
+    def new_ones(self, size=(), *, dtype=None, **kwargs): return _filled(self, size, 1, dtype)
+    def new_zeros(self, size=(), *, dtype=None, **kwargs): return _filled(self, size, 0, dtype)
+    def new_full(self, size, fill_value, *, dtype=None, **kwargs):
+        return _filled(self, size, fill_value, dtype)
+    def logical_and(self, o): return _logical("&", self, o)
+    def logical_or(self, o): return _logical("|", self, o)
+    def logical_xor(self, o): return _logical("^", self, o)
+    def logical_not(self): return ~_to_kind(self, "bool", "logical_not")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype of this kind: float32, int64 or bool."""
+        return {"float": torch.float32, "int": torch.int64, "bool": torch.bool}[self.kind]
+
+    @property
+    def device(self):
+        """None: a traced value lives in the kernel (torch's noop_mask passes b.device)."""
+        return None
 
     __hash__ = None  # symbolic __eq__: not usable as a dict key
 
@@ -208,7 +253,9 @@ class Expr:
                         "use the ja.* functions (ja.tanh, ja.exp, ...) instead")
 
     def __int__(self):
-        raise SpecError("a traced value was converted to a Python int; keep it symbolic")
+        raise SpecError("a traced value was converted to a Python int (int(), range(), or an "
+                        "index into a list, tuple or numpy array); keep it symbolic: a table "
+                        "indexed by symbols is a captured torch tensor (torch.tensor(values))")
 
     __index__ = __int__
 
@@ -216,7 +263,9 @@ class Expr:
         raise SpecError("a traced value cannot be iterated over")
 
     def __array__(self, *a, **k):
-        raise SpecError("numpy functions cannot be traced; use the ja.* functions")
+        raise SpecError("numpy functions and arrays cannot be traced; use the ja.* or torch "
+                        "functions, and for a table a captured torch tensor "
+                        "(torch.from_numpy(a)) indexed by symbols")
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         # numpy's operators reach here with a numpy scalar on the left (np.float32(2.0) * score,
@@ -236,8 +285,15 @@ class Expr:
             from .tracing import current  # (tracing imports this module)
             return current().capture(args[0])[args[1]]
         name = getattr(func, "__name__", str(func))
-        raise SpecError(f"torch function {name} cannot be traced; use the ja.* functions "
-                        f"(tanh, exp, log, sigmoid, where, minimum, maximum, abs)")
+        fn = TORCH_FUNCTIONS.get(func)
+        if fn is None:
+            raise SpecError(f"torch function {name} cannot be traced; the torch functions "
+                            f"that trace are {sorted(_TORCH_NAMES)}, with Python's operators "
+                            f"and the ja.* functions (ja.where, ja.tanh, ...)")
+        try:  # (a 0-d tensor captured by closure is a runtime scalar: temperature * score)
+            return fn(*(_lift(a) if _scalar_tensor(a) else a for a in args), **(kwargs or {}))
+        except TypeError as e:  # (out=, alpha=, a wrong arity: the call's own message)
+            raise SpecError(f"torch.{name} with arguments the DSL does not take: {e}") from None
 
     def __repr__(self):
         return f"Expr<{self.kind}>({emit_cpp(self)})"
@@ -252,9 +308,16 @@ _NUMPY_OPERATORS = {
     np.bitwise_or: operator.or_, np.bitwise_xor: operator.xor}
 
 
+def _scalar_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 0
+
+
 def _lift(x) -> Expr:
     if isinstance(x, Expr):
         return x
+    if _scalar_tensor(x):  # a 0-d tensor captured by closure: a runtime scalar, read per call
+        from .tracing import current  # (tracing imports this module)
+        return current().capture_scalar(x)
     if isinstance(x, (bool, np.bool_)):
         return Expr("const", (bool(x),), "bool")
     if isinstance(x, (int, np.integer)):
@@ -267,7 +330,17 @@ def _lift(x) -> Expr:
             raise SpecError("NaN constant in a variant expression")
         if math.isfinite(x) and abs(x) > float(np.finfo(np.float32).max):
             raise SpecError(f"constant {x!r} does not fit in float32 (the kernels' float type)")
+        if x != 0 and np.float32(x) == 0:  # (1e-50 became 0: a division by it, inf)
+            raise SpecError(f"constant {x!r} rounds to 0 in float32 (the kernels' float type, "
+                            f"whose smallest positive value is about 1.4e-45)")
         return Expr("const", (float(np.float32(x)),), "float")
+    if isinstance(x, torch.Tensor):
+        raise SpecError(f"a captured tensor of shape {tuple(x.shape)} is used whole in a variant "
+                        f"expression; index it by symbols (t[h], t[b, kv_idx]): a variant "
+                        f"computes one score at a time")
+    if isinstance(x, np.ndarray):
+        raise SpecError(f"a numpy array of shape {x.shape} cannot be read in a variant; capture "
+                        f"a torch tensor (torch.from_numpy(a)) and index it by symbols")
     raise SpecError(f"cannot use {type(x).__name__} {x!r} in a variant expression; expected a "
                     f"number, a symbol, ja.scalar(...) or an indexed ja.tensor(...)")
 
@@ -373,3 +446,148 @@ def where(cond, a, b) -> Expr:
         raise SpecError(f"ja.where: condition must be a bool expression, got {cond.kind}")
     kind = "bool" if a.kind == b.kind == "bool" else _num_kind(a, b)
     return Expr("where", (cond, a, b), kind)
+
+
+# -- torch's functions and tensor methods, as FlexAttention's mods call them -----------------
+
+def _shift(x, n, right: bool) -> Expr:
+    """x >> n, x << n for an int x and a constant int 0 <= n < 63: Python's (floor) semantics,
+    as x // 2**n and x * 2**n."""
+    x, n = _lift(x), _lift(n)
+    if x.kind == "float" or n.op != "const" or n.kind != "int" or not 0 <= n.args[0] < 63:
+        raise SpecError(f"'{'>>' if right else '<<'}' takes an int expression and a constant "
+                        f"int shift 0 .. 62 (x // 2**n, x * 2**n); got {emit_cpp(x)} ({x.kind}) "
+                        f"and {emit_cpp(n)}")
+    return _binary("//" if right else "*", x, 2 ** n.args[0])
+
+
+def _clamp(x, lo, hi) -> Expr:
+    """torch.clamp: min(max(x, lo), hi); either bound may be None."""
+    if lo is None and hi is None:
+        raise SpecError("clamp needs min= or max=")
+    x = _lift(x)
+    x = x if lo is None else maximum(x, lo)
+    return x if hi is None else minimum(x, hi)
+
+
+def _to_kind(x, kind: str, what: str) -> Expr:
+    """x as a float, int or bool expression, as torch converts: bool -> 0 / 1, a number -> bool
+    by != 0. A float cannot become an int (torch truncates; the DSL has no truncation)."""
+    x = _lift(x)
+    if x.kind == kind:
+        return x
+    if kind == "bool":
+        return _compare("!=", x, 0)
+    if x.kind == "bool":
+        return where(x, 1.0 if kind == "float" else 1, 0.0 if kind == "float" else 0)
+    if kind == "float":
+        return _binary("+", x, 0.0)
+    raise SpecError(f"{what}: a float expression cannot be converted to an int in a variant "
+                    f"(keep indices integer: q_idx, kv_idx and int arithmetic on them)")
+
+
+def _to_int32(x) -> Expr:
+    """.int(): an int expression whose every value fits int32 (emit.int_range), else refused
+    (torch would wrap it; the DSL keeps int64)."""
+    x = _to_kind(x, "int", "int()")
+    r = int_range(x)
+    if r is None or not -(2**31) <= r[0] <= r[1] < 2**31:
+        raise SpecError("int(): the expression can leave int32, where torch's conversion would "
+                        "wrap; ints are exact within int64 here: drop the .int() (or use "
+                        ".long())")
+    return x
+
+
+_DTYPE_KIND = {torch.float32: "float", torch.float64: "float", torch.int64: "int",
+               torch.bool: "bool"}
+
+
+def _kind_of(dtype, what: str) -> str | None:
+    if dtype is None:
+        return None
+    if dtype is torch.int32:
+        return "int32"
+    if dtype not in _DTYPE_KIND:
+        raise SpecError(f"{what}: dtype {dtype} cannot be traced; a variant computes in float32, "
+                        f"int64 and bool (torch.float32, torch.int64, torch.bool; float64 is "
+                        f"float32 here)")
+    return _DTYPE_KIND[dtype]
+
+
+def _to(x, *args, dtype=None, **kwargs) -> Expr:
+    """Tensor.to(dtype): the dtype's kind (_kind_of); devices and copy= flags are ignored."""
+    dtype = next((a for a in args if isinstance(a, torch.dtype)), dtype)
+    kind = _kind_of(dtype, "to()")
+    if kind is None:
+        return _lift(x)
+    return _to_int32(x) if kind == "int32" else _to_kind(x, kind, "to()")
+
+
+def _filled(like, size, value, dtype) -> Expr:
+    """Tensor.new_ones / new_zeros / new_full and torch.*_like of a traced value: the constant
+    ``value`` as a 0-d value of dtype's kind (like's kind without one)."""
+    if isinstance(size, int) or tuple(size) not in ((), (1,)):
+        raise SpecError(f"a traced value is one element: new_ones / new_zeros / new_full take "
+                        f"size () (got {size!r})")
+    kind = _kind_of(dtype, "new_ones / new_zeros / new_full") or _lift(like).kind
+    return _to_kind(_lift(value), "int" if kind == "int32" else kind, "new_full")
+
+
+def _logical(op, a, b) -> Expr:
+    return _logic(op, _to_kind(a, "bool", "logical"), _to_kind(b, "bool", "logical"))
+
+
+def _where(condition, input=None, other=None) -> Expr:  # noqa: A002 (torch's names)
+    if input is None or other is None:
+        raise SpecError("torch.where(condition) (the indices form) cannot be traced; use "
+                        "torch.where(condition, a, b)")
+    return where(condition, input, other)
+
+
+def _two(fn):
+    """torch.min / torch.max of two values (their elementwise form only)."""
+    def pair(input, other=None, *rest, **kwargs):  # noqa: A002 (torch's names)
+        if not isinstance(other, Expr) or rest or kwargs:
+            raise SpecError(f"torch.{fn.__name__[:3]} over a dimension cannot be traced; the "
+                            f"elementwise torch.{fn.__name__[:3]}(a, b) of two traced values "
+                            f"can, and ja.{fn.__name__}(a, number)")
+        return fn(input, other)
+    return pair
+
+
+def _binary_op(op):
+    return lambda a, b: op(_lift(a), b)
+
+
+_T = torch.Tensor
+# torch function or tensor method -> what it traces to (Expr.__torch_function__; the methods a
+# traced value is called with are Expr's own, above)
+TORCH_FUNCTIONS = {
+    torch.where: _where, torch.tanh: tanh, _T.tanh: tanh, torch.exp: exp, _T.exp: exp,
+    torch.log: log, _T.log: log, torch.sigmoid: sigmoid, _T.sigmoid: sigmoid,
+    torch.abs: abs_, torch.absolute: abs_, _T.abs: abs_,
+    torch.sqrt: lambda x: _binary("**", x, 0.5), torch.rsqrt: lambda x: _binary("**", x, -0.5),
+    torch.square: lambda x: _binary("*", x, x),
+    torch.minimum: minimum, torch.maximum: maximum, torch.min: _two(minimum),
+    torch.max: _two(maximum),
+    torch.clamp: lambda x, min=None, max=None: _clamp(x, min, max),  # noqa: A002
+    torch.clip: lambda x, min=None, max=None: _clamp(x, min, max),  # noqa: A002
+    torch.clamp_min: lambda x, min: _clamp(x, min, None),  # noqa: A002
+    torch.clamp_max: lambda x, max: _clamp(x, None, max),  # noqa: A002
+    torch.logical_and: lambda a, b: _logical("&", a, b),
+    torch.logical_or: lambda a, b: _logical("|", a, b),
+    torch.logical_xor: lambda a, b: _logical("^", a, b),
+    torch.logical_not: lambda x: ~_to_kind(x, "bool", "logical_not"),
+    torch.zeros_like: lambda x, *, dtype=None, **k: _filled(x, (), 0, dtype),
+    torch.ones_like: lambda x, *, dtype=None, **k: _filled(x, (), 1, dtype),
+    torch.full_like: lambda x, fill_value, *, dtype=None, **k: _filled(x, (), fill_value, dtype),
+    # a 0-d tensor captured by closure on the left of an operator (temperature * score)
+    _T.add: _binary_op(operator.add), _T.sub: _binary_op(operator.sub),
+    _T.mul: _binary_op(operator.mul), _T.div: _binary_op(operator.truediv),
+    _T.floor_divide: _binary_op(operator.floordiv), _T.remainder: _binary_op(operator.mod),
+    _T.pow: _binary_op(operator.pow), _T.lt: _binary_op(operator.lt),
+    _T.le: _binary_op(operator.le), _T.gt: _binary_op(operator.gt),
+    _T.ge: _binary_op(operator.ge), _T.eq: _binary_op(operator.eq),
+    _T.ne: _binary_op(operator.ne),
+}
+_TORCH_NAMES = {f.__name__ for f in TORCH_FUNCTIONS if getattr(torch, f.__name__, None) is f}

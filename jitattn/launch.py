@@ -33,7 +33,10 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     except OverflowError:  # (an int beyond any float)
         fine = False
     if not fine:
-        raise ValueError(f"sm_scale={sm_scale!r}: expected a finite number > 0 (as float32)")
+        hint = " (a tensor: pass sm_scale=t.item(), a Python float)" \
+            if isinstance(sm_scale, torch.Tensor) else ""
+        raise ValueError(f"sm_scale={sm_scale!r}: expected a finite number > 0 (as float32)"
+                         f"{hint}")
     return float(sm_scale)
 
 

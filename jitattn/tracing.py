@@ -60,6 +60,23 @@ class _Tracer:
         return p
 
 
+    def capture_scalar(self, t: torch.Tensor) -> Expr:
+        """A 0-d tensor captured by closure, read at call time as a one-element tensor (a view:
+        in-place changes reach the next call, as for other captured tensors)."""
+        for p in self.captured:
+            if p.scalar_of is t:
+                return p[0]
+        name = self.names.get(id(t))
+        if t.dtype not in dtypes.TAG:
+            raise SpecError(f"captured 0-d tensor{f' {name!r}' if name else ''} has dtype "
+                            f"{t.dtype}; expected one of {list(dtypes.FROM_NAME)} (or a Python "
+                            f"number: .item())")
+        p = TensorParam(f"{self.prefix}{len(self.captured)}", (1,), t.dtype, t.reshape(1),
+                        label=name, scalar_of=t)
+        self.captured.append(p)
+        return p[0]
+
+
 def _tensor_names(fn) -> dict:
     """id(tensor) -> name for the tensors fn reaches by closure or as globals, so that errors
     about a captured tensor use the user's name for it."""

@@ -107,8 +107,9 @@ def test_python_and_min_are_rejected():
 def test_unknown_function_is_a_spec_error():
     with pytest.raises(SpecError, match="ja"):
         trace_score(lambda s, b, h, q, k: math.tanh(s))
-    with pytest.raises(SpecError, match="cannot be traced"):
-        trace_score(lambda s, b, h, q, k: torch.tanh(s))
+    with pytest.raises(SpecError, match=r"torch function erf cannot be traced; the torch "
+                                        r"functions that trace are \['abs'"):
+        trace_score(lambda s, b, h, q, k: torch.erf(s))
 
 
 def test_wrong_arity():
@@ -394,3 +395,87 @@ def test_numpy_scalars_on_either_side_and_bool_flags():
         ja.Variant("t", score_mod=lambda s, b, h, q, k: ja.tanh(s, approx=0.0))
     with pytest.raises(ja.SpecError, match=r"soft_cap: cap=True must be finite and > 0"):
         ja.soft_cap(True)
+
+
+def _flex_eager(q, k, v, score_mod, mask_mod):
+    """What FlexAttention computes for one request (qo_len == kv_len), the mods called on real
+    broadcast tensors in float64: the torch semantics the traced mods must keep."""
+    L, H = q.shape[0], q.shape[1]
+    group = H // k.shape[1]
+    kk, vv = (x.double().repeat_interleave(group, 1) for x in (k, v))
+    s = torch.einsum("qhd,khd->hqk", q.double(), kk) / math.sqrt(q.shape[2])
+    b = torch.zeros(1, 1, 1, dtype=torch.long)
+    h, qi, ki = (torch.arange(n).view(*shape) for n, shape in
+                 ((H, (H, 1, 1)), (L, (1, L, 1)), (L, (1, 1, L))))
+    s = score_mod(s, b, h, qi, ki) if score_mod else s
+    visible = mask_mod(b, h, qi, ki).expand(s.shape) if mask_mod else torch.ones_like(s, dtype=bool)
+    s = s.masked_fill(~visible, -math.inf)
+    p = torch.softmax(s, -1).nan_to_num()  # (rows that see nothing: 0)
+    return torch.einsum("hqk,khd->qhd", p, vv)
+
+
+def test_flex_attention_mods_trace_unchanged():
+    """FlexAttention's mods, as its users write them: torch functions, tensor methods, torch's
+    and_masks / or_masks / noop_mask (b.new_ones(()) inside), a 0-d tensor captured by closure,
+    shifts. Were refused ("torch function tanh cannot be traced", "'Expr' object has no
+    attribute 'new_ones'"); each now gives what FlexAttention's eager semantics give."""
+    from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= 6
+
+    def prefix(b, h, q_idx, kv_idx):
+        return kv_idx < 5
+
+    temperature = torch.tensor(0.75)
+    cases = {
+        "softcap": (lambda s, b, h, q, k: 20.0 * torch.tanh(s / 20.0), None),
+        "where": (lambda s, b, h, q, k: torch.where(q >= k, s, -float("inf")), None),
+        "methods": (lambda s, b, h, q, k: s - (k - q).abs().clamp(max=6).float() * 0.1 +
+                    s.sigmoid().sqrt() + torch.square(s) * 0.01, None),
+        "minmax": (lambda s, b, h, q, k: torch.maximum(s, torch.min(s * 2, (q - k).to(
+            torch.float32))) + torch.clamp(s, -0.5, 0.5) + torch.zeros_like(s), None),
+        "temperature": (lambda s, b, h, q, k: temperature * s + s / temperature, None),
+        "and_masks": (None, and_masks(causal, window)),
+        "or_masks": (None, or_masks(prefix, window)),
+        "noop": (None, noop_mask),
+        "blocks": (None, lambda b, h, q, k: ((q >> 3) == (k >> 3)) | (k << 1 < q)),
+        "logical": (None, lambda b, h, q, k: torch.logical_or(
+            torch.logical_and(q >= k, k % 2 == 0), torch.logical_not(k > 3))),
+    }
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(27, n, 64, generator=gen).half() for n in (4, 2, 2))
+    for name, (score_mod, mask_mod) in cases.items():
+        variant = ja.Variant(name, mask="none", score_mod=score_mod, mask_mod=mask_mod)
+        want = _flex_eager(q, k, v, score_mod, mask_mod)
+        assert (ja.attention(q, k, v, variant).double() - want).abs().max() < 4e-3, name
+    temperature.fill_(1.5)  # read per call, as other captured tensors
+    variant = ja.Variant("t", mask="none", score_mod=cases["temperature"][0])
+    want = _flex_eager(q, k, v, cases["temperature"][0], None)
+    assert (ja.attention(q, k, v, variant).double() - want).abs().max() < 4e-3
+
+
+def test_torch_forms_that_do_not_trace_say_what_does():
+    table = torch.ones(4, 8)
+    for fn, text in (
+            (lambda s, b, h, q, k: torch.max(s, 1), r"torch.max over a dimension"),
+            (lambda s, b, h, q, k: s.to(torch.float16), r"to\(\): dtype torch.float16"),
+            (lambda s, b, h, q, k: s.long(), r"float expression cannot be converted to an int"),
+            (lambda s, b, h, q, k: s + (k * k * 4).int(), r"can leave int32"),
+            (lambda s, b, h, q, k: s + (k >> q), r"constant int shift"),
+            (lambda s, b, h, q, k: torch.where(s > 0), r"indices form"),
+            (lambda s, b, h, q, k: torch.tanh(s, out=s), r"torch.tanh with arguments"),
+            (lambda s, b, h, q, k: s * 1e-50, r"constant 1e-50 rounds to 0 in float32"),
+            (lambda s, b, h, q, k: s + table[h][k],
+             r"tensor 'table \(score_captured0\)' has 2 dimensions .* t\[h, kv_idx\]"),
+            (lambda s, b, h, q, k: s * table, r"captured tensor of shape \(4, 8\) is used whole"),
+            (lambda s, b, h, q, k: s + [1.0, 2.0][h], r"index into a list"),
+            (lambda s, b, h, q, k: s + np.ones(4)[h], r"torch.from_numpy")):
+        with pytest.raises(SpecError, match=text):
+            trace_score(fn)
+    with pytest.raises(ValueError, match=r"sm_scale=tensor\(0.1250\).*t.item\(\)"):
+        ja.attention(*(torch.randn(3, 2, 64).half() for _ in range(3)), ja.Variant("p"),
+                     sm_scale=torch.tensor(0.125))

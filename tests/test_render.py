@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 
 import pytest
+import torch
 
 import jitattn as ja
 from jitattn import build, catalog, jit, render
@@ -67,6 +68,21 @@ def test_nvcc_compiles_sm90a(name, kind, dtype_tag, head_dim, kv_tag, arch):
     path, _ = jit.compile_cached(src, "sm_90a")
     assert path.stat().st_size > 1000
     assert path.read_bytes()[:4] == b"\x7fELF"  # a cubin is an ELF image
+
+
+@needs_nvcc
+def test_nvcc_compiles_flex_attention_forms():
+    """torch functions, tensor methods, shifts and a captured 0-d tensor (dsl.TORCH_FUNCTIONS)
+    in one variant's CUDA."""
+    temperature = torch.tensor(0.5)
+    variant = ja.Variant(
+        "flex_forms", mask="none",
+        score_mod=lambda s, b, h, q, k: torch.where(q >= k, temperature * s, -float("inf")) +
+        (k - q).abs().clamp(max=6).float() * torch.sigmoid(s).sqrt(),
+        mask_mod=lambda b, h, q, k: torch.logical_or((q >> 3) == (k >> 3), b.new_ones(())))
+    src = render.render_cuda(variant, kind="decode", dtype_tag="f16", head_dim=64)
+    path, _ = jit.compile_cached(src, "sm_90a")
+    assert path.read_bytes()[:4] == b"\x7fELF"
 
 
 @needs_nvcc
