@@ -380,7 +380,9 @@ def report(rows: list[dict], json_path: str | None, png_path: str | None = None)
 
 def main(kind: str, quick: bool, json_path: str | None, png_path: str | None = None) -> int:
     if not torch.cuda.is_available():
-        print("jitattn bench needs a CUDA GPU")
+        print("jitattn bench needs a CUDA GPU (without one: `jitattn tune --cpu --quick` times "
+              "the shared-prefix strategies on the CPU backend, and examples/ check every "
+              "variant against the reference)")
         return 2
     if kind in ("shared-prefix", "cascade"):
         from . import bench_shared

@@ -42,7 +42,7 @@ def _doctor(args) -> int:
         print("cupy: not installed (needed only without nvcc, for NVRTC: "
               "pip install 'jitattn[cuda]')")
     cache = Cache()
-    print(f"cache: {_where(cache)}, {len(cache.entries())} entries")
+    print(f"cache: {_where(cache)}, {_entries(len(cache.entries()))}")
     return 0
 
 
@@ -58,6 +58,10 @@ def _banner(lang: str) -> str:
     return lines[0].split(": ", 1)[-1]  # (the fingerprint starts with the tool's path)
 
 
+def _entries(n: int) -> str:
+    return f"{n} {'entry' if n == 1 else 'entries'}"
+
+
 def _where(cache: Cache) -> str:
     """The cache root asked for, and where new kernels go when that differs."""
     if cache.fallback_reason is None:
@@ -69,7 +73,7 @@ def _cache(args) -> int:
     cache = Cache()
     if args.action == "clear":
         try:
-            print(f"removed {cache.clear()} entries from {_where(cache)}")
+            print(f"removed {_entries(cache.clear())} from {_where(cache)}")
         except OSError as e:
             print(f"jitattn cache clear: {e}", file=sys.stderr)
             return 1
@@ -83,7 +87,7 @@ def _cache(args) -> int:
         built = time.strftime("%Y-%m-%d %H:%M", time.localtime(meta["created"]))
         error = f"  (unreadable: {meta['error']})" if "error" in meta else ""
         print(f"{meta['bytes'] / 1024:9.1f} KiB  {built}  {meta['key']}{error}")
-    print(f"{len(rows)} entries in {_where(cache)}")
+    print(f"{_entries(len(rows))} in {_where(cache)}")
     return 0
 
 
@@ -121,7 +125,9 @@ def _compile(args) -> int:
               file=sys.stderr)
         return 1
     if not variants:
-        print(f"{args.variant_file}: defines no Variant and no make()", file=sys.stderr)
+        print(f"{args.variant_file}: defines no Variant and no make(); expected Variants at "
+              f"module level or a make() that returns one (as in variants/*.py)",
+              file=sys.stderr)
         return 2
     arch = args.arch or (jit.device_arch(0) if not args.cpu and _cuda() else "sm_90a")
     for variant in variants:
@@ -165,8 +171,8 @@ def _tune(args) -> int:
                          head_dim=args.head_dim)
     for cell in table["cells"]:
         best = min(cell["ms"], key=cell["ms"].get)
-        print(f"P{cell['prefix']} S{cell['suffix']} M{cell['requests']}: {best} "
-              + " ".join(f"{k} {v:.3f}" for k, v in cell["ms"].items()))
+        print(f"P{cell['prefix']} S{cell['suffix']} M{cell['requests']}: fastest {best}; ms: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in cell["ms"].items()))
     if args.quick:  # a smoke test's two noisy cells must not steer "auto" afterwards
         print(f"--quick: table for {table['device']} not saved")
     else:
@@ -184,7 +190,8 @@ def main(argv=None) -> int:
                    help="ls: every cached kernel (size, build time, key); clear: remove them")
     c.set_defaults(fn=_cache)
     b = sub.add_parser("compile", help="build the kernels of a variant file into the cache")
-    b.add_argument("variant_file")
+    b.add_argument("variant_file", help="a Python file that defines Variants at module level "
+                   "or a make() returning one (variants/*.py)")
     b.add_argument("--head-dim", type=int, nargs="+", default=[128], choices=render.HEAD_DIMS,
                    help="head dims to build (default: 128)")
     b.add_argument("--dtype", nargs="+", default=["f16", "bf16"], choices=["f16", "bf16"],
@@ -201,7 +208,10 @@ def main(argv=None) -> int:
                    "and split)")
     b.set_defaults(fn=_compile)
     r = sub.add_parser("bench", help="time jitattn beside SDPA and FlexAttention (GPU)")
-    r.add_argument("kind", choices=["decode", "prefill", "shared-prefix", "cascade"])
+    r.add_argument("kind", choices=["decode", "prefill", "shared-prefix", "cascade"],
+                   help="decode: paged decode batches; prefill: causal and variant prefill "
+                   "(TFLOP/s); shared-prefix: the P x S x M grid, every strategy and auto beside "
+                   "naive and SDPA; cascade: cascade decode beside plain paged decode")
     r.add_argument("--quick", action="store_true", help="skip FlexAttention and long cases")
     r.add_argument("--json", help="write the rows and metadata to this file")
     r.add_argument("--png", help="plot the table here (rates per case; shared-prefix and "

@@ -361,6 +361,9 @@ class Variant:
         return bound
 
     def describe(self) -> str:
+        """One line naming the variant and what specialises it (mask, window, the mods' names,
+        runtime parameters, RoPE, reduction), e.g. ``Variant softcap: mask=causal,
+        score_mod=softcap, reduction=softmax``; what ``jitattn compile`` prints."""
         parts = [f"mask={self.mask}"]
         if self.window_left is not None:
             parts.append(f"window_left={self.window_left}")
