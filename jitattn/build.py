@@ -5,6 +5,7 @@ CUDA sources are compiled with NVRTC through CuPy. Failures raise :class:`Compil
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import shlex
@@ -93,6 +94,12 @@ def _first_error(log: str) -> str:
     ...", "cc1plus: fatal error: ..."); else ninja's FAILED line (a compiler that failed
     without a word), else the log's first line. ninja's own lines, which name the build folder
     (and so the variant), are not the compiler's."""
+    # a full disk or a quota first: the compiler's own error is then a consequence ("ld
+    # returned 1 exit status"), and ninja's line about its log is the only word of it
+    full = next((line.strip() for line in log.splitlines()
+                 if re.search(r"No space left on device|Disk quota exceeded", line)), None)
+    if full:
+        return full
     lines = [line.strip() for line in log.splitlines()
              if line.strip() and not line.startswith("ninja:")]
     found = next((line for line in lines if re.search(r"\b(error|fatal)\s*:", line, re.I)),
@@ -127,8 +134,15 @@ def build(src: RenderedSource, out_dir: Path, *, arch: str | None = None) -> Pat
     """Compile ``src`` in ``out_dir``; returns the binary's path. Raises CompileError."""
     out_dir.mkdir(parents=True, exist_ok=True)
     source_path = out_dir / SOURCE_NAME[src.lang]
-    source_path.write_text(src.code)
+    _write(source_path, src.code)
     if src.lang == "cuda" and env.nvcc_path() is None:
+        try:
+            import cupy  # noqa: F401  (NVRTC's host)
+        except ImportError:
+            raise CompileError("no CUDA compiler: nvcc is not found and CuPy, whose NVRTC "
+                               "builds without it, is not installed (install the CUDA toolkit "
+                               "or set JITATTN_NVCC, or pip install 'jitattn[cuda]')",
+                               path=source_path, log="", command="") from None
         return _build_nvrtc(src, source_path, arch)
     tool = env.nvcc_path() if src.lang == "cuda" else env.cxx_path()
     if tool is None:
@@ -138,7 +152,7 @@ def build(src: RenderedSource, out_dir: Path, *, arch: str | None = None) -> Pat
     if ninja is None:
         raise CompileError("ninja not found (pip install ninja)", path=source_path, log="",
                            command="")
-    (out_dir / "build.ninja").write_text(_ninja_file(src, tool, flags(src.lang, arch)))
+    _write(out_dir / "build.ninja", _ninja_file(src, tool, flags(src.lang, arch)))
     command = f"{ninja} -C {out_dir}"
     started = time.perf_counter()
     proc = subprocess.run([ninja, "-C", str(out_dir)], capture_output=True, text=True)
@@ -149,8 +163,23 @@ def build(src: RenderedSource, out_dir: Path, *, arch: str | None = None) -> Pat
     if env.debug_level() >= 5:
         print(proc.stdout + proc.stderr)
     elapsed = time.perf_counter() - started
-    (out_dir / "build.log").write_text(f"{command}\n{elapsed:.2f} s\n{proc.stdout}")
-    return out_dir / BINARY_NAME[src.lang]
+    binary = out_dir / BINARY_NAME[src.lang]
+    if not binary.is_file():
+        raise CompileError(f"the compiler ({tool}) exited without an error but wrote no "
+                           f"{binary.name}", path=source_path, log=proc.stdout + proc.stderr,
+                           command=command)
+    with contextlib.suppress(OSError):  # (a record of the build; the binary does not need it)
+        (out_dir / "build.log").write_text(f"{command}\n{elapsed:.2f} s\n{proc.stdout}")
+    return binary
+
+
+def _write(path: Path, text: str) -> None:
+    """Write a build input; a full disk or a permission is a CompileError naming the file."""
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise CompileError(f"cannot write {path}: {e.strerror or e}", path=None, log="",
+                           command="") from e
 
 
 def _nvrtc_version() -> str:

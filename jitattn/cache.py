@@ -37,13 +37,15 @@ log = logging.getLogger("jitattn")
 _FALLBACK: dict = {}
 
 
-def fallback_root(reason: str) -> Path:
-    """One private temporary cache per process (and per reason), removed at exit."""
-    if reason not in _FALLBACK:
-        _FALLBACK[reason] = Path(tempfile.mkdtemp(prefix="jitattn-cache-"))
-        atexit.register(shutil.rmtree, _FALLBACK[reason], ignore_errors=True)
-        log.warning("jitattn: %s; using %s for this process", reason, _FALLBACK[reason])
-    return _FALLBACK[reason]
+def fallback_root(reason: str, root) -> Path:
+    """One private temporary cache per process for each unusable ``root`` (the cache root, or
+    a lock in it), removed at exit; the first call's ``reason`` is logged (once: a reason can
+    name a per-call file)."""
+    if str(root) not in _FALLBACK:
+        _FALLBACK[str(root)] = Path(tempfile.mkdtemp(prefix="jitattn-cache-"))
+        atexit.register(shutil.rmtree, _FALLBACK[str(root)], ignore_errors=True)
+        log.warning("jitattn: %s; using %s for this process", reason, _FALLBACK[str(root)])
+    return _FALLBACK[str(root)]
 
 
 class _Untrusted(OSError):
@@ -122,7 +124,7 @@ class Cache:
                     "" if isinstance(e, _Untrusted) or not self.root.is_dir() else
                     "; a cache prebuilt for other users needs chmod -R a+rX, go-w, and this "
                     "user or root as its owner"))
-            self.root = fallback_root(self.fallback_reason)
+            self.root = fallback_root(self.fallback_reason, self.root)
 
     @staticmethod
     def _prepare(root: Path) -> None:
@@ -131,6 +133,8 @@ class Cache:
             os.chmod(root, 0o700)  # mkdir's mode is filtered by the umask
         except FileExistsError:
             pass  # made earlier, or by a process starting beside this one
+        if not root.is_dir():  # (/dev/null, a file: before its mode is blamed)
+            raise NotADirectoryError(f"{root} is not a directory")
         mode = root.stat().st_mode
         if mode & stat.S_IWOTH:  # anyone could plant a binary (and its checksum) we would run
             raise _Untrusted(f"writable by every user (mode {stat.S_IMODE(mode):o}); chmod o-w "

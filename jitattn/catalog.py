@@ -20,7 +20,10 @@ def load_file(path: str | Path) -> ModuleType:
     if not path.is_file():
         shipped = env.variants_dir() / f"{path.name}.py"
         hint = f" (the built-in variant {path.name!r} is {shipped})" if shipped.is_file() else ""
-        raise FileNotFoundError(f"variant file {str(path)!r} does not exist{hint}")
+        what = "is not a file" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"variant file {str(path)!r} {what}{hint}")
+    if path.suffix != ".py":  # (importlib finds no loader for other names)
+        raise FileNotFoundError(f"variant file {str(path)!r} is not a Python file (.py)")
     name = f"jitattn_variant_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -17,7 +18,14 @@ from .dsl import SpecError
 def _doctor(args) -> int:
     print(f"jitattn {__version__} ({Path(__file__).parent})")
     nvcc = env.nvcc_path()
-    print(f"nvcc: {nvcc or 'not found (CUDA kernels will be built with NVRTC through CuPy)'}")
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    fallback = "CUDA kernels will be built with NVRTC through CuPy" if cupy else \
+        "and CuPy is not installed either: no CUDA kernel can be built (install the CUDA " \
+        "toolkit or set JITATTN_NVCC, or pip install 'jitattn[cuda]')"
+    print(f"nvcc: {nvcc or f'not found ({fallback})'}")
     if nvcc:
         print("      " + _banner("cuda"))
     cxx = env.cxx_path()
@@ -35,10 +43,9 @@ def _doctor(args) -> int:
             print("GPU: none visible to torch (CPU tensors run on the CPU backend)")
     except ImportError:
         print("torch: not installed")
-    try:
-        import cupy
+    if cupy is not None:
         print(f"cupy: {cupy.__version__}")
-    except ImportError:
+    else:
         print("cupy: not installed (needed only without nvcc, for NVRTC: "
               "pip install 'jitattn[cuda]')")
     cache = Cache()
@@ -130,6 +137,15 @@ def _compile(args) -> int:
               file=sys.stderr)
         return 2
     arch = args.arch or (jit.device_arch(0) if not args.cpu and _cuda() else "sm_90a")
+    try:
+        _build_all(variants, args, arch)
+    except (build.CompileError, OSError) as e:  # (the compiler's first error, not a traceback)
+        print(f"jitattn compile: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _build_all(variants, args, arch: str) -> None:
     for variant in variants:
         print(variant.describe())
         for head_dim in args.head_dim:
@@ -146,7 +162,6 @@ def _compile(args) -> int:
                                                  shared_kv=shared_kv)
                         path, built = jit.compile_cached(src, arch)
                         print(f"  {'built' if built else 'cached'} {path}")
-    return 0
 
 
 def _bench(args) -> int:
@@ -167,6 +182,10 @@ def _tune(args) -> int:
         print(f"jitattn tune: --heads {hq} {hkv}: expected NUM_QO_HEADS and NUM_KV_HEADS >= 1, "
               f"the first a multiple of the second", file=sys.stderr)
         return 2
+    unusable = Cache().fallback_reason
+    if unusable is not None and not args.quick:  # (before minutes of measurement are lost)
+        print(f"jitattn tune: {unusable}; the table could not be saved", file=sys.stderr)
+        return 1
     table = tune.measure(device, quick=args.quick, num_qo_heads=hq, num_kv_heads=hkv,
                          head_dim=args.head_dim)
     for cell in table["cells"]:
@@ -175,8 +194,14 @@ def _tune(args) -> int:
               + ", ".join(f"{k} {v:.3f}" for k, v in cell["ms"].items()))
     if args.quick:  # a smoke test's two noisy cells must not steer "auto" afterwards
         print(f"--quick: table for {table['device']} not saved")
-    else:
+        return 0
+    try:
         print(f"table for {table['device']} written to {tune.save(table)}")
+    except OSError as e:  # (the root changed during the run: the measurements are kept here)
+        print(f"jitattn tune: the table could not be saved ({e}); it follows, to be saved by "
+              f"hand as {tune.table_path(table['device'])}:\n{json.dumps(table, indent=1)}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -5,8 +5,9 @@ Variables:
                        source tree, else ``~/.cache/jitattn``).
     JITATTN_NVCC       path of nvcc (default: ``nvcc`` on PATH, then ``$CUDA_HOME/bin/nvcc``).
     JITATTN_CXX        C++ compiler for the CPU backend (default: ``g++``).
-    JITATTN_DEBUG      0 quiet; 1 log cache hits/misses; 2 build times; 4 rendered source;
-                       5 ``ptxas -v`` resource usage.
+    JITATTN_DEBUG      an int: 0 (the default) one line per compile, with its time; 1 also
+                       cache hits and waits for another process's build; 4 also each built
+                       kernel's rendered source; 5 also ``ptxas -v`` resource usage.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def ninja_path() -> str | None:
 
 
 def debug_level() -> int:
-    """JITATTN_DEBUG as an int (0 when unset or not a number)."""
+    """JITATTN_DEBUG as an int (0 when unset or not an integer)."""
     try:
         return int(os.environ.get("JITATTN_DEBUG", "0"))
     except ValueError:

@@ -61,21 +61,32 @@ def cache_key(src: RenderedSource, arch: str | None) -> str:
     return f"{src.name}-{arch or 'host'}-{h.hexdigest()[:16]}"
 
 
+LOCK_PATIENCE_S = 30.0  # how long a build waits for another process's lock before saying so
+
+
 class _LockUnusable(OSError):
     """A key's lock file cannot be opened (a folder in its place, or not this user's)."""
 
 
 @contextlib.contextmanager
 def _held(lock, key: str):
-    """A key's build lock; JITATTN_DEBUG >= 1 says when another process holds it. Raises
-    _LockUnusable when the lock file cannot be opened."""
+    """A key's build lock. When another process holds it, JITATTN_DEBUG >= 1 says so at once,
+    and every level after LOCK_PATIENCE_S (a holder stopped mid-build would otherwise leave
+    this process waiting without a word). Raises _LockUnusable when the lock file cannot be
+    opened."""
     try:
         try:
             lock.acquire(timeout=0)
         except Timeout:
             if env.debug_level() >= 1:
                 _say(f"waiting for another process building {key} (lock {lock.lock_file})")
-            lock.acquire()
+            try:
+                lock.acquire(timeout=LOCK_PATIENCE_S)
+            except Timeout:
+                _say(f"still waiting after {LOCK_PATIENCE_S:.0f} s for another process to "
+                     f"build {key}: it holds {lock.lock_file} (a process that has stopped "
+                     f"holds it until it exits; the lock is released when it does)")
+                lock.acquire()
     except OSError as e:  # (a Timeout is one, but a blocking acquire raises none)
         raise _LockUnusable(f"the build lock {lock.lock_file} cannot be used ({e})") from e
     try:
@@ -103,7 +114,7 @@ def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = 
         with _held(cache.lock(key), key):
             return _build_locked(src, arch, cache, key, binary, reject)
     except _LockUnusable as e:
-        private = Cache(fallback_root(str(e)))
+        private = Cache(fallback_root(str(e), f"the locks of {cache.root}"))
         with _held(private.lock(key), key):  # (threads of this process build the key once)
             return _build_locked(src, arch, private, key, binary, reject)
 
@@ -134,6 +145,11 @@ def _build_locked(src: RenderedSource, arch: str | None, cache: Cache, key: str,
         e.path = kept / e.path.name if e.path else kept
         e.command = e.command.replace(str(staged), str(kept))
         raise
+    except OSError as e:  # (a full disk while writing the entry: no half-written entry stays)
+        if e.filename is None:  # (publish's own, which says what to do)
+            raise
+        raise build.CompileError(f"cannot write the kernel cache entry ({e.strerror}: "
+                                 f"{e.filename})", path=None, log="", command="") from e
     finally:
         if staged.exists():
             shutil.rmtree(staged, ignore_errors=True)

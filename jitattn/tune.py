@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from . import env
-from .cache import TUNE_DIR
+from .cache import TUNE_DIR, Cache
 
 log = logging.getLogger("jitattn")
 PREFIXES, SUFFIXES, REQUESTS = (96, 512, 2048, 8196), (1, 4, 32, 256), (2, 8, 32)
@@ -42,16 +42,23 @@ def device_key(device) -> str:
     return f"{torch.cuda.get_device_name(index)} sm{major}{minor}"
 
 
-def table_path(key: str) -> Path:
-    return env.cache_dir() / TUNE_DIR / (re.sub(r"[^A-Za-z0-9_.-]+", "_", key) + ".json")
+def table_path(key: str, root: Path | None = None) -> Path:
+    """Where device ``key``'s table lives under the cache root (default: the configured one)."""
+    root = env.cache_dir() if root is None else root
+    return root / TUNE_DIR / (re.sub(r"[^A-Za-z0-9_.-]+", "_", key) + ".json")
 
 
 @lru_cache(maxsize=None)
 def load(key: str) -> dict | None:
     """The stored table for device ``key``, or None (read once per process; save() resets).
     A file that is not such a table (unreadable, not JSON, or not of the shape the module
-    docstring gives) is ignored with a warning: "auto" then applies its rule."""
-    path = table_path(key)
+    docstring gives) is ignored with a warning: "auto" then applies its rule. A cache root the
+    kernel cache refuses (writable by other users, not this user's) is not read either."""
+    cache = Cache()
+    root = cache.root if cache.fallback_reason is None else cache.read_only
+    if root is None:
+        return None
+    path = table_path(key, root)
     try:
         table = json.loads(path.read_text())
     except FileNotFoundError:
@@ -91,8 +98,13 @@ def _well_formed(table) -> bool:
 
 
 def save(table: dict) -> Path:
-    """Write the table for its device atomically; returns the path."""
-    path = table_path(table["device"])
+    """Write the table for its device atomically; returns the path. Raises OSError when the
+    cache root cannot be written (Cache's fallback_reason: a table in a private temporary
+    folder would be gone at exit)."""
+    cache = Cache()
+    if cache.fallback_reason is not None:
+        raise OSError(cache.fallback_reason)
+    path = table_path(table["device"], cache.root)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:

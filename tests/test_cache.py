@@ -84,7 +84,12 @@ def test_key_follows_the_compilers_banner_through_a_wrapper(fresh_cache, tmp_pat
     ("exit 1", "FAILED: "),  # (newer ninjas add "[code=1]" before the target)
     ('echo "Segmentation fault (core dumped)" >&2; exit 139', "FAILED: "),
     ('echo "ninja: no error-here" >&2; echo "kernel.cpp:3:5: error: x was not declared" >&2; '
-     "exit 1", "kernel.cpp:3:5: error: x was not declared")])
+     "exit 1", "kernel.cpp:3:5: error: x was not declared"),
+    # a full disk: the linker's own line, not collect2's "ld returned 1 exit status"
+    ('echo "/usr/bin/ld: final link failed: No space left on device" >&2; '
+     'echo "collect2: error: ld returned 1 exit status" >&2; exit 1',
+     "/usr/bin/ld: final link failed: No space left on device"),
+    ("exit 0", "the compiler (")])  # (wrote nothing: was a raw FileNotFoundError at load)
 def test_compile_error_names_the_compilers_failure(fresh_cache, tmp_path, monkeypatch, script,
                                                    expected):
     """The message is the compiler's first error or fatal line, else ninja's FAILED line (it
@@ -231,9 +236,9 @@ def test_ls_and_clear_leave_folders_that_are_not_entries(fresh_cache, capsys):
         (folder / "data").write_text("keep me")
     assert cli.main(["cache", "ls"]) == 0
     out = capsys.readouterr().out
-    assert "1 entries" in out and "huggingface" not in out and "pip" not in out
+    assert "1 entry in" in out and "huggingface" not in out and "pip" not in out
     assert cli.main(["cache", "clear"]) == 0
-    assert "removed 1 entries" in capsys.readouterr().out
+    assert "removed 1 entry from" in capsys.readouterr().out
     assert all((folder / "data").read_text() == "keep me" for folder in foreign)
 
 
@@ -437,6 +442,42 @@ def test_an_entry_that_cannot_be_removed_is_named(fresh_cache, monkeypatch):
     with pytest.raises(OSError, match=r"cache entry .* is broken and cannot be removed "
                                       r"\(\[Errno 13\] Permission denied\); remove it by hand"):
         jit.compile_cached(_src(), None)
+
+
+def test_an_unusable_root_falls_back_once_per_process(tmp_path, monkeypatch, caplog):
+    """Every Cache() of an unusable root made its own private folder and warning (the reason
+    named a probe file with a random name); a non-directory root was blamed for its mode."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(blocker))
+    with caplog.at_level("WARNING", logger="jitattn"):
+        roots = {Cache().root for _ in range(3)}
+    assert len(roots) == 1 and "is not a directory" in Cache().fallback_reason
+    assert sum("using" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_build_waiting_for_a_stopped_holder_says_so(fresh_cache, monkeypatch):
+    """A process that held a key's lock (stopped mid-build) left the next one waiting without
+    a word; it is named after LOCK_PATIENCE_S."""
+    fresh_cache.mkdir(parents=True)
+    lock_file = fresh_cache / "k.lock"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from filelock import FileLock
+        lock = FileLock({str(lock_file)!r})
+        lock.acquire()
+        print("held", flush=True)
+        time.sleep(1.5)""")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    said = []
+    monkeypatch.setattr(jit, "LOCK_PATIENCE_S", 0.3)
+    monkeypatch.setattr(jit, "_say", said.append)
+    from filelock import FileLock
+    with jit._held(FileLock(str(lock_file)), "k"):
+        pass
+    holder.wait()
+    assert len(said) == 1 and said[0].startswith("still waiting after 0 s for another process "
+                                                 "to build k") and str(lock_file) in said[0]
 
 
 def test_a_compiler_path_that_cannot_be_run_is_named(fresh_cache, monkeypatch, capsys):

@@ -136,3 +136,35 @@ def test_python_dash_m_jitattn_runs_the_command():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "ls: every cached kernel" in done.stdout
+
+
+def test_compile_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    """A failing compiler gave a traceback; a file that is not Python an AttributeError from
+    importlib, a folder 'does not exist'."""
+    from jitattn import build
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("JITATTN_CXX", "/bin/false")
+    build.compiler_fingerprint.cache_clear()
+    try:
+        assert cli.main(["compile", str(env.variants_dir() / "softcap.py"), "--cpu"]) == 1
+    finally:
+        build.compiler_fingerprint.cache_clear()
+    assert capsys.readouterr().err.startswith("jitattn compile: ")
+    notes = tmp_path / "notes.md"
+    notes.write_text("# not python")
+    for path, text in ((notes, "is not a Python file"), (tmp_path, "is not a file")):
+        assert cli.main(["compile", str(path), "--cpu"]) == 2
+        assert text in capsys.readouterr().err
+
+
+def test_tune_refuses_before_measuring_when_the_table_cannot_be_saved(tmp_path, monkeypatch,
+                                                                      capsys):
+    """A cache root that could not be written was found only after the measurements, which
+    were lost in a traceback."""
+    from jitattn import tune
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(tune, "measure", lambda *a, **k: pytest.fail("measured"))
+    assert cli.main(["tune", "--cpu"]) == 1
+    assert "is not a directory); the table could not be saved" in capsys.readouterr().err
