@@ -11,6 +11,7 @@ list (built in launch.py) serves both backends.
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,7 +271,10 @@ def load_cpu(path: Path, src: RenderedSource) -> CpuKernel:
     try:
         library = ctypes.CDLL(str(path))
     except OSError as e:
-        raise BadBinary(str(e)) from None
+        hint = " (linked without the C++ runtime: JITATTN_CXX must name a C++ compiler " \
+               "driver, g++ or clang++, not gcc)" \
+            if re.search(r"undefined symbol: (__gxx|_Z)", str(e)) else ""
+        raise BadBinary(f"{e}{hint}") from None
     entries = {}
     for name in src.entries:
         try:
