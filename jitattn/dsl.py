@@ -211,7 +211,6 @@ class Expr:
     def log(self): return log(self)
     def sigmoid(self): return sigmoid(self)
     def tanh(self): return tanh(self)
-    def sqrt(self): return _binary("**", self, 0.5)
     def clamp(self, min=None, max=None): return _clamp(self, min, max)  # noqa: A002
     clip = clamp
     def clamp_min(self, min): return _clamp(self, min, None)  # noqa: A002
@@ -515,8 +514,13 @@ def _kind_of(dtype, what: str) -> str | None:
 
 
 def _to(x, *args, dtype=None, **kwargs) -> Expr:
-    """Tensor.to(dtype): the dtype's kind (_kind_of); devices and copy= flags are ignored."""
-    dtype = next((a for a in args if isinstance(a, torch.dtype)), dtype)
+    """Tensor.to(dtype) or .to(other) (other's dtype, or a traced value's kind): the dtype's
+    kind (_kind_of); devices and copy= flags are ignored."""
+    for a in args:
+        if isinstance(a, Expr):
+            return _to_kind(x, a.kind, "to()")
+        if isinstance(a, (torch.dtype, torch.Tensor)):
+            dtype = a if isinstance(a, torch.dtype) else a.dtype
     kind = _kind_of(dtype, "to()")
     if kind is None:
         return _lift(x)
@@ -529,8 +533,9 @@ def _filled(like, size, value, dtype) -> Expr:
     if isinstance(size, int) or tuple(size) not in ((), (1,)):
         raise SpecError(f"a traced value is one element: new_ones / new_zeros / new_full take "
                         f"size () (got {size!r})")
-    kind = _kind_of(dtype, "new_ones / new_zeros / new_full") or _lift(like).kind
-    return _to_kind(_lift(value), "int" if kind == "int32" else kind, "new_full")
+    kind = _kind_of(dtype, "new_ones / new_zeros / new_full / *_like") or _lift(like).kind
+    return _to_kind(_lift(value), "int" if kind == "int32" else kind,
+                    f"a fill value of {value!r} for an {kind} value")
 
 
 def _logical(op, a, b) -> Expr:
@@ -566,7 +571,6 @@ TORCH_FUNCTIONS = {
     torch.where: _where, torch.tanh: tanh, _T.tanh: tanh, torch.exp: exp, _T.exp: exp,
     torch.log: log, _T.log: log, torch.sigmoid: sigmoid, _T.sigmoid: sigmoid,
     torch.abs: abs_, torch.absolute: abs_, _T.abs: abs_,
-    torch.sqrt: lambda x: _binary("**", x, 0.5), torch.rsqrt: lambda x: _binary("**", x, -0.5),
     torch.square: lambda x: _binary("*", x, x),
     torch.minimum: minimum, torch.maximum: maximum, torch.min: _two(minimum),
     torch.max: _two(maximum),
@@ -588,6 +592,8 @@ TORCH_FUNCTIONS = {
     _T.pow: _binary_op(operator.pow), _T.lt: _binary_op(operator.lt),
     _T.le: _binary_op(operator.le), _T.gt: _binary_op(operator.gt),
     _T.ge: _binary_op(operator.ge), _T.eq: _binary_op(operator.eq),
-    _T.ne: _binary_op(operator.ne),
+    _T.ne: _binary_op(operator.ne), _T.__floordiv__: _binary_op(operator.floordiv),
+    _T.__pow__: _binary_op(operator.pow), _T.__and__: _binary_op(operator.and_),
+    _T.__or__: _binary_op(operator.or_), _T.__xor__: _binary_op(operator.xor),
 }
 _TORCH_NAMES = {f.__name__ for f in TORCH_FUNCTIONS if getattr(torch, f.__name__, None) is f}

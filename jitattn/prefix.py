@@ -106,6 +106,11 @@ class PrefixGroup:
     members: tuple
 
 
+# PrefixTrie.groups' exact partition up to this many requests (its dynamic programme's time and
+# memory grow as the square of the batch at worst: 20000 requests in pairs took 3 s and 0.4 GB)
+EXACT_MAX_REQUESTS = 4096
+
+
 class PrefixTrie:
     """A radix trie over block-hash chains.
 
@@ -143,19 +148,24 @@ class PrefixTrie:
     def groups(self, min_members: int = 2) -> list[PrefixGroup]:
         """Partition the inserted requests into groups that share a block prefix, saving as
         many prefix tokens as any partition can (saving = prefix_len * (members - 1), summed
-        over the groups). Groups smaller than ``min_members`` get prefix_len 0. Deterministic:
-        groups ordered by their first member; of equally good partitions, the one whose
-        requests stay together higher in the trie (fewer, larger groups). min_members: an int
-        >= 2 (TypeError / ValueError otherwise).
+        over the groups) for up to EXACT_MAX_REQUESTS requests, and nearly as many beyond
+        (below). Groups smaller than ``min_members`` get prefix_len 0. Deterministic: groups
+        ordered by their first member. min_members: an int >= 2 (TypeError / ValueError
+        otherwise). Iterative, so deep tries are fine.
 
         Algorithm: a dynamic programme over the trie's branch points, bottom up (a tree
         knapsack): best[v][k] is the most saved by groups below v when k of v's requests are
         left ungrouped for a group nearer the root; a group at depth d of j requests saves
-        d * (j - 1). O(requests^2) time at worst; iterative, so deep tries are fine. (A greedy
-        choice per branch point can miss the best partition: at block size 1,
-        [[0,1,0,1,1,0], [0,1,0,0], [0,1,1,0,0,0], [0,0,0,0], [0,1,0,1]] is best split as
-        {0,1,4} sharing 3 tokens and {2,3} sharing 1, 7 saved, not {0,1,2,4} at 2: 6.)"""
+        d * (j - 1). Its time and memory grow as requests^2 at worst (many branches of two or
+        more requests under one point), so larger batches take one choice per branch point
+        instead, bottom up: keep its requests together at its depth, or let the branches go
+        deeper apart and group the requests they leave alone at its depth. That choice can
+        miss the best partition: at block size 1, [[0,1,0,1,1,0], [0,1,0,0], [0,1,1,0,0,0],
+        [0,0,0,0], [0,1,0,1]] is best split as {0,1,4} sharing 3 tokens and {2,3} sharing 1,
+        7 saved, where it gives {0,1,2,4} at 2: 6."""
         min_members = int_arg("min_members", min_members, minimum=2)
+        if self._count > EXACT_MAX_REQUESTS:
+            return self._groups_by_branch(min_members)
         top = self._walk(self.root)
         order, stack = [], [top]  # branch points, parents before children
         while stack:
@@ -174,7 +184,7 @@ class PrefixTrie:
                                           depth[id(node)] * self.block_size, min_members)
         # top down: how many requests each branch point passes up, then who they are
         top_plan = plans[id(top)]
-        need = {id(top): int(np.argmax(top_plan.best))}  # (the first of equal savings)
+        need = {id(top): top_plan.lo + int(np.argmax(top_plan.best))}  # (the first of equals)
         for node in order:
             plan = plans[id(node)]
             for child, count in zip(plan.children, plan.split(need[id(node)])):
@@ -200,6 +210,45 @@ class PrefixTrie:
             node = nxt
         return node
 
+    def _groups_by_branch(self, min_members: int) -> list[PrefixGroup]:
+        """groups() for large batches: one choice per branch point, bottom up."""
+        best = {}  # id(node) -> (saving, groups)
+        stack = [(self.root, 0, False)]
+        while stack:
+            node, depth, expanded = stack.pop()
+            below = self._walk(node)
+            depth, node = depth + self._depth(node, below), below
+            if not expanded and node.children:
+                stack.append((node, depth, True))
+                stack += [(child, depth + 1, False) for child in node.children.values()]
+                continue
+            best[id(node)] = self._choose(node, depth, min_members, best)
+        return sorted(best[id(self._walk(self.root))][1], key=lambda g: g.members[0])
+
+    def _choose(self, node: _Node, depth: int, min_members: int, best: dict):
+        """At one branch point: its requests together at its depth, or the branches' choices
+        with the requests they leave alone together here, whichever saves more."""
+        size = depth * self.block_size
+
+        def together(members):
+            if len(members) >= min_members and depth > 0:
+                return size * (len(members) - 1), [PrefixGroup(size, tuple(members))]
+            return 0, [PrefixGroup(0, (m,)) for m in members]
+        stay = together(node.members)
+        if not node.children:
+            return stay
+        saving, groups, alone = 0, [], []
+        for child in node.children.values():
+            s, g = best[id(self._walk(child))]
+            saving += s
+            for group in g:
+                (alone.extend(group.members) if group.prefix_len == 0 else groups.append(group))
+        covered = {m for c in node.children.values() for m in c.members}
+        alone += [m for m in node.members if m not in covered]
+        s, g = together(sorted(alone))
+        split = (saving + s, groups + g)
+        return stay if stay[0] >= split[0] else split
+
     @staticmethod
     def _depth(node: _Node, below: _Node) -> int:
         steps = 0
@@ -209,50 +258,71 @@ class PrefixTrie:
         return steps
 
 
+_NOTHING_SAVED = np.zeros(1)  # (never written: the merges make new arrays)
+
+
 class _BranchPlan:
-    """PrefixTrie.groups' table at one branch point (prefix_len tokens deep): best[k], the most
-    prefix tokens saved by the groups in its subtree when k of its requests are passed up
-    ungrouped (-inf where impossible), and how each entry was reached."""
+    """PrefixTrie.groups' table at one branch point (prefix_len tokens deep): best[i], the most
+    prefix tokens saved by the groups in its subtree when lo + i of its requests are passed up
+    ungrouped (-inf where impossible; outside best, impossible too), and how each entry was
+    reached. A child's table is dropped once merged (the memory of a wide trie)."""
 
     def __init__(self, node: _Node, children: list, prefix_len: int, min_members: int):
         self.node, self.children, self.prefix_len = node, children, prefix_len
         covered = {m for c in node.children.values() for m in c.members}
         self.ending = [m for m in node.members if m not in covered]  # requests that end here
-        pool = np.full(len(self.ending) + 1, -np.inf)
-        pool[-1] = 0.0  # pool[p]: best saving below when p requests reach this point
-        self._from_child = []  # per child, pool index -> how many that child passed up
+        self._merges = []  # per child: (took, its lo, base after it); see split()
+        if not children and (len(self.ending) < min_members or prefix_len == 0):
+            # (most leaves: a lone request, which can only be passed up)
+            self.lo, self.best, self._grouped = len(self.ending), _NOTHING_SAVED, (
+                len(self.ending),)
+            return
+        # pool[i]: best saving below when base + i requests reach this point
+        base, pool = len(self.ending), _NOTHING_SAVED
         for child in children:
             pool, took = _max_plus(pool, child.best)
-            self._from_child.append(took)
-        self._pool = pool
-        # best[k]: pass all p = k up, or group p - k >= min_members of them here, which
-        # saves prefix_len * (p - k - 1): the largest such p of the most gain (p + k <= len)
-        self.best, self._grouped = pool.copy(), np.arange(len(pool))
-        if prefix_len > 0 and len(pool) > min_members:
-            gain = (pool + prefix_len * np.arange(len(pool)))[::-1]  # reversed: p = n - 1 - r
+            base += child.lo
+            self._merges.append((took, child.lo, base))
+            child.best = None
+        # best[k]: pass all p = k up, or group p - k >= min_members of them here, which saves
+        # prefix_len * (p - k - 1): the largest such p of the most gain
+        n = base + len(pool)  # (absolute: k and p run over 0 .. n - 1)
+        best = np.full(n, -np.inf)
+        best[base:] = pool
+        grouped = np.arange(n)
+        if prefix_len > 0 and n > min_members:
+            gain = (best + prefix_len * np.arange(n))[::-1]  # reversed: p = n - 1 - r
             most = np.maximum.accumulate(gain)  # most[r]: best gain over p >= n - 1 - r
             new = gain > np.concatenate(([-np.inf], most[:-1]))
-            where = np.maximum.accumulate(np.where(new, np.arange(len(gain)), 0))
-            k = np.arange(len(pool) - min_members)
-            r = len(pool) - 1 - (k + min_members)
+            where = np.maximum.accumulate(np.where(new, np.arange(n), 0))
+            k = np.arange(n - min_members)
+            r = n - 1 - (k + min_members)
             value = most[r] - prefix_len * (k + 1)
-            better = value > self.best[k]  # (equal: pass up, to stay together higher up)
-            self.best[k[better]] = value[better]
-            self._grouped[k[better]] = len(pool) - 1 - where[r[better]]
+            better = value > best[k]  # (equal: pass up, to stay together higher up)
+            best[k[better]] = value[better]
+            grouped[k[better]] = n - 1 - where[r[better]]
+        finite = np.flatnonzero(best > -np.inf)
+        self.lo, hi = int(finite[0]), int(finite[-1]) + 1
+        self.best, self._grouped = best[self.lo:hi], grouped[self.lo:hi].astype(np.int32)
 
     def split(self, k: int) -> list[int]:
         """How many requests each child passes up when this point passes up k."""
-        p, counts = int(self._grouped[k]), []
-        for took in reversed(self._from_child):
-            counts.append(int(took[p]))
+        p, counts = int(self._grouped[k - self.lo]), []
+        for took, lo, base in reversed(self._merges):
+            t = p - base  # (the pool's index after this child's merge)
+            j = t if took is None else 0 if isinstance(took, int) else int(took[t])
+            counts.append(lo + j)
             p -= counts[-1]
         return counts[::-1]
 
 
 def _max_plus(a: np.ndarray, b: np.ndarray):
-    """(c, took): c[t] = max over i + j = t of a[i] + b[j], took[t] the j of one such
-    maximum (the same one every time)."""
-    c, took = np.full(len(a) + len(b) - 1, -np.inf), np.zeros(len(a) + len(b) - 1, np.int64)
+    """(c, took): c[t] = max over i + j = t of a[i] + b[j], and took the j of one such
+    maximum (the same one every time) for each t: None where j = t (a has one entry), 0 where
+    b has one entry, else an array."""
+    if len(a) == 1 or len(b) == 1:
+        return a[0] + b if len(a) == 1 else a + b[0], None if len(a) == 1 else 0
+    c, took = np.full(len(a) + len(b) - 1, -np.inf), np.zeros(len(a) + len(b) - 1, np.int32)
     if len(a) <= len(b):
         for i in range(len(a)):
             cand = a[i] + b

@@ -67,6 +67,12 @@ class _Tracer:
             if p.scalar_of is t:
                 return p[0]
         name = self.names.get(id(t))
+        if name is None:  # (1 / t, t.exp(): torch computed it while tracing, once)
+            raise SpecError(f"a 0-d tensor ({t.item()!r}) that the mod computed while it was "
+                            f"traced would keep that value at every call; a 0-d tensor is "
+                            f"read per call only as a variable of the mod (a closure or a "
+                            f"global): write the arithmetic on the traced value (score / t, "
+                            f"not score * (1 / t)), or use ja.scalar")
         if t.dtype not in dtypes.TAG:
             raise SpecError(f"captured 0-d tensor{f' {name!r}' if name else ''} has dtype "
                             f"{t.dtype}; expected one of {list(dtypes.FROM_NAME)} (or a Python "

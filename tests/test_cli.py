@@ -138,7 +138,7 @@ def test_python_dash_m_jitattn_runs_the_command():
     assert "ls: every cached kernel" in done.stdout
 
 
-def test_compile_errors_are_one_line(tmp_path, monkeypatch, capsys):
+def test_compile_errors_are_messages_not_tracebacks(tmp_path, monkeypatch, capsys):
     """A failing compiler gave a traceback; a file that is not Python an AttributeError from
     importlib, a folder 'does not exist'."""
     from jitattn import build
@@ -149,7 +149,8 @@ def test_compile_errors_are_one_line(tmp_path, monkeypatch, capsys):
         assert cli.main(["compile", str(env.variants_dir() / "softcap.py"), "--cpu"]) == 1
     finally:
         build.compiler_fingerprint.cache_clear()
-    assert capsys.readouterr().err.startswith("jitattn compile: ")
+    err = capsys.readouterr().err
+    assert err.startswith("jitattn compile: ") and "Traceback" not in err
     notes = tmp_path / "notes.md"
     notes.write_text("# not python")
     for path, text in ((notes, "is not a Python file"), (tmp_path, "is not a file")):

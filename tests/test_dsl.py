@@ -430,15 +430,17 @@ def test_flex_attention_mods_trace_unchanged():
     def prefix(b, h, q_idx, kv_idx):
         return kv_idx < 5
 
-    temperature = torch.tensor(0.75)
+    temperature, flag = torch.tensor(0.75), torch.tensor(True)
     cases = {
         "softcap": (lambda s, b, h, q, k: 20.0 * torch.tanh(s / 20.0), None),
         "where": (lambda s, b, h, q, k: torch.where(q >= k, s, -float("inf")), None),
         "methods": (lambda s, b, h, q, k: s - (k - q).abs().clamp(max=6).float() * 0.1 +
-                    s.sigmoid().sqrt() + torch.square(s) * 0.01, None),
+                    s.sigmoid() ** 0.5 + torch.square(s) * 0.01, None),
         "minmax": (lambda s, b, h, q, k: torch.maximum(s, torch.min(s * 2, (q - k).to(
             torch.float32))) + torch.clamp(s, -0.5, 0.5) + torch.zeros_like(s), None),
-        "temperature": (lambda s, b, h, q, k: temperature * s + s / temperature, None),
+        "temperature": (lambda s, b, h, q, k: temperature * s + s / temperature +
+                        (temperature ** (k % 3)) * 0.1 + (k + 1).to(s) ** 2 * 1e-3, None),
+        "flag": (None, lambda b, h, q, k: (flag & (q >= k)) | (flag ^ (k < 3))),
         "and_masks": (None, and_masks(causal, window)),
         "or_masks": (None, or_masks(prefix, window)),
         "noop": (None, noop_mask),
@@ -459,7 +461,7 @@ def test_flex_attention_mods_trace_unchanged():
 
 
 def test_torch_forms_that_do_not_trace_say_what_does():
-    table = torch.ones(4, 8)
+    table, temperature = torch.ones(4, 8), torch.tensor(0.5)
     for fn, text in (
             (lambda s, b, h, q, k: torch.max(s, 1), r"torch.max over a dimension"),
             (lambda s, b, h, q, k: s.to(torch.float16), r"to\(\): dtype torch.float16"),
@@ -473,7 +475,11 @@ def test_torch_forms_that_do_not_trace_say_what_does():
              r"tensor 'table \(score_captured0\)' has 2 dimensions .* t\[h, kv_idx\]"),
             (lambda s, b, h, q, k: s * table, r"captured tensor of shape \(4, 8\) is used whole"),
             (lambda s, b, h, q, k: s + [1.0, 2.0][h], r"index into a list"),
-            (lambda s, b, h, q, k: s + np.ones(4)[h], r"torch.from_numpy")):
+            (lambda s, b, h, q, k: s + np.ones(4)[h], r"torch.from_numpy"),
+            # computed from a captured 0-d tensor while tracing: its value would never change
+            (lambda s, b, h, q, k: s * (1 / temperature), r"0-d tensor \(2.0\) that the mod "
+                                                            r"computed while it was traced"),
+            (lambda s, b, h, q, k: torch.sqrt(s), r"torch function sqrt cannot be traced")):
         with pytest.raises(SpecError, match=text):
             trace_score(fn)
     with pytest.raises(ValueError, match=r"sm_scale=tensor\(0.1250\).*t.item\(\)"):

@@ -78,7 +78,7 @@ def test_nvcc_compiles_flex_attention_forms():
     variant = ja.Variant(
         "flex_forms", mask="none",
         score_mod=lambda s, b, h, q, k: torch.where(q >= k, temperature * s, -float("inf")) +
-        (k - q).abs().clamp(max=6).float() * torch.sigmoid(s).sqrt(),
+        (k - q).abs().clamp(max=6).float() * torch.sigmoid(s) ** 0.5,
         mask_mod=lambda b, h, q, k: torch.logical_or((q >> 3) == (k >> 3), b.new_ones(())))
     src = render.render_cuda(variant, kind="decode", dtype_tag="f16", head_dim=64)
     path, _ = jit.compile_cached(src, "sm_90a")
