@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from jitattn.integrations.transformers import register  # noqa: E402
+from jitattn.integrations.transformers import jitattn_attention_forward, register  # noqa: E402
 
 
 def tiny_llama(attn):
@@ -123,18 +123,45 @@ def test_alternating_masks_keep_their_ragged_layouts():
     self_mask = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()
     cross_mask = torch.ones(2, 1, 4, 10, dtype=torch.bool)
     cross_mask[1, :, :, 6:] = False
-    first = _unpadding(self_mask, causal), _unpadding(cross_mask, full)
+    def unpad(mask, variant):
+        return _unpadding(mask, variant, mask.shape[0], *mask.shape[2:])
+    first = unpad(self_mask, causal), unpad(cross_mask, full)
     for _ in range(3):
-        assert (_unpadding(self_mask, causal), _unpadding(cross_mask, full)) == first
+        assert (unpad(self_mask, causal), unpad(cross_mask, full)) == first
     cross_mask[0, :, :, 8:] = False  # changed in place: rebuilt
-    assert _unpadding(cross_mask, full) is not first[1]
+    assert unpad(cross_mask, full) is not first[1]
     with torch.inference_mode():  # no version counter: reused only as the latest mask
         a, b = torch.ones(1, 1, 4, 4, dtype=torch.bool), torch.ones(1, 1, 4, 10, dtype=torch.bool)
-        first_a = _unpadding(a, full)
-        assert _unpadding(a, full) is first_a
-        _unpadding(b, full)
+        first_a = unpad(a, full)
+        assert unpad(a, full) is first_a
+        unpad(b, full)
         a[0, :, :, 2:] = False
-        assert _unpadding(a, full).kv_rows.tolist() == [0, 1]
+        assert unpad(a, full).kv_rows.tolist() == [0, 1]
+
+def test_a_mask_of_one_covers_the_batch_and_biases_are_refused():
+    """A [1, 1, q, k] mask over a batch of 2 laid out one request (the second's rows came out
+    0); an additive mask with a bias (-1.0, or +0.5 everywhere) was read as 'hidden where
+    not 0', silently."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 6, 64, generator=gen).half() for _ in range(3))
+    module = torch.nn.Module()
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    out, _ = jitattn_attention_forward(module, q, k, v, mask, scaling=0.125, is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=0.125).transpose(1, 2)
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+    additive = torch.zeros(2, 1, 6, 6, dtype=torch.float16).masked_fill(~mask, -65504.0)
+    out, _ = jitattn_attention_forward(module, q, k, v, additive, scaling=0.125,
+                                       is_causal=True)
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+    for bias in (additive.clone().index_fill_(3, torch.tensor([3]), -1.0), additive + 0.5):
+        with pytest.raises(ValueError, match=r"additive with a value \((-1.0|0.5)\) other "):
+            jitattn_attention_forward(module, q, k, v, bias, scaling=0.125, is_causal=True)
+    with pytest.raises(ValueError, match=r"expected \[batch, 1, q_len, kv_len\] = \[2 \(or "
+                                         r"1\), 1, 6, 6\]"):
+        jitattn_attention_forward(module, q, k, v, mask[..., :5], scaling=0.125,
+                                  is_causal=True)
+
 
 def test_gemma2_soft_cap_and_sliding_window_from_the_config(monkeypatch):
     """Gemma 2's attention: logit soft-cap 50 and a 16-token sliding window on every other
@@ -306,3 +333,26 @@ def test_a_layer_variant_is_built_eagerly_under_compile():
     torch._dynamo.reset()
     assert torch.compile(layer, backend="aot_eager")(torch.ones(3)).eq(2).all()
     assert integration._VARIANTS[settings].name == "hf_causal_softcap7.25"
+
+
+def test_compiled_model_follows_each_padding_mask():
+    """Under torch.compile (graph breaks allowed) the first padded mask's ragged layout was
+    baked into the graph: a later mask of the same shape but other padding gave wrong logits
+    (max error 1.7), silently. The layout is now built outside the graph."""
+    name = register()
+    model = tiny_llama("eager")
+    ids = torch.randint(1, 512, (3, 12), generator=torch.Generator().manual_seed(2))
+    masks = []
+    for pads in ((0, 3, 5), (4, 0, 1)):
+        mask = torch.ones(3, 12, dtype=torch.long)
+        for b, p in enumerate(pads):
+            mask[b, :p] = 0
+        masks.append(mask)
+    with torch.no_grad():
+        eager = [model(ids, attention_mask=m).logits for m in masks]
+        model.config._attn_implementation = name
+        compiled = torch.compile(model, dynamic=False)
+        for mask, want in zip(masks, eager):
+            got = compiled(ids, attention_mask=mask).logits
+            torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-2, rtol=2e-2)
+    torch._dynamo.reset()

@@ -14,8 +14,10 @@ aligned to the end of the keys (as in decoding with a KV cache). With padding (l
 prefill or decode with a cache; cross-attention over a padded encoder batch), the mask is
 turned into a ragged batch once per forward (the model passes the same mask to every layer):
 each request keeps its real queries and keys, and the mask is checked to be exactly what the
-variant computes on them; padding rows (and queries that see no key) give 0. A mask that is
-not padding-shaped (e.g. packed sequences) raises ValueError.
+variant computes on them; padding rows (and queries that see no key) give 0. A mask of batch
+1 covers every request. A mask that is not padding-shaped (e.g. packed sequences), or additive
+with values other than 0 and a large negative (a bias), raises ValueError. Under torch.compile
+the layout is built outside the graph (a graph break per layer with a padded mask).
 """
 
 from __future__ import annotations
@@ -118,10 +120,16 @@ class _Unpadding:
 # and identified by `is`, with their ragged layouts per variant
 _RECENT: list = []  # [weakref to the mask, its version, {variant: _Unpadding}], latest first
 _RECENT_MASKS = 4
+# an additive mask's values at or below this hide a key (transformers writes its dtype's
+# minimum; older models -10000.0)
+ADDITIVE_HIDDEN = -1e4
 
 
-def _unpadding(attention_mask: torch.Tensor, variant: ja.Variant,
-               first_layer: bool = False) -> _Unpadding:
+# the per-forward cache below must not be traced: under torch.compile (without fullgraph) the
+# first mask's layout was baked into the graph and reused for later masks of the same shape
+@torch.compiler.disable
+def _unpadding(attention_mask: torch.Tensor, variant: ja.Variant, batch: int, q_len: int,
+               kv_len: int, first_layer: bool = False) -> _Unpadding:
     # transformers builds a new mask per forward; a mask changed in place is seen by its
     # version counter, which inference tensors lack: those are reused only as the latest mask
     # and within one forward (first_layer: the model's layer 0 starts a forward, so a mask
@@ -136,15 +144,24 @@ def _unpadding(attention_mask: torch.Tensor, variant: ja.Variant,
         entry = [weakref.ref(attention_mask), version, {}]
         _RECENT[:] = [entry] + kept[:_RECENT_MASKS - 1]
     layouts = entry[2]
-    if variant not in layouts:
-        if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; "
-                             f"expected [batch, 1, q_len, kv_len]")
-        allowed = attention_mask[:, 0]
+    if (variant, batch) not in layouts:
+        shape = tuple(attention_mask.shape)
+        if len(shape) != 4 or shape[0] not in (1, batch) or shape[1] != 1 or \
+                shape[2:] != (q_len, kv_len):
+            raise ValueError(f"attention_mask has shape {shape}; expected [batch, 1, q_len, "
+                             f"kv_len] = [{batch} (or 1), 1, {q_len}, {kv_len}]")
+        allowed = attention_mask[:, 0].expand(batch, q_len, kv_len)  # (a mask of one: all)
         if allowed.dtype != torch.bool:  # additive: 0 where allowed, a large negative elsewhere
-            allowed = allowed == 0
-        layouts[variant] = _Unpadding(allowed, variant)
-    return layouts[variant]
+            hidden = allowed <= ADDITIVE_HIDDEN
+            if not torch.all(hidden | (allowed == 0)):
+                bad = allowed[~hidden & (allowed != 0)][0].item()
+                raise ValueError(f"attention_mask is additive with a value ({bad!r}) other than "
+                                 f"0 (attend) and a large negative (<= {ADDITIVE_HIDDEN:g}, "
+                                 f"hidden): a bias, which jitattn's integration does not take "
+                                 f"(a bias is a Variant's score_mod)")
+            allowed = ~hidden
+        layouts[(variant, batch)] = _Unpadding(allowed, variant)
+    return layouts[(variant, batch)]
 
 
 def jitattn_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -181,7 +198,8 @@ def jitattn_attention_forward(module, query, key, value, attention_mask, dropout
         out = ja.attention(q.contiguous(), k.contiguous(), v.contiguous(), variant,
                            qo_indptr=qo, kv_indptr=kv, sm_scale=scaling)
         return out.reshape(batch, q_len, hq, d), None
-    layout = _unpadding(attention_mask, variant, getattr(module, "layer_idx", None) == 0)
+    layout = _unpadding(attention_mask, variant, batch, q_len, kv_len,
+                        getattr(module, "layer_idx", None) == 0)
     out = torch.zeros(batch * q_len, hq, d, dtype=query.dtype, device=query.device)
     out[layout.q_rows] = ja.attention(q[layout.q_rows], k[layout.kv_rows], v[layout.kv_rows],
                                       variant, qo_indptr=layout.qo_indptr,
