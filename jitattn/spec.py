@@ -65,7 +65,9 @@ class RoPE:
     scaling: None, ``{"type": "linear", "factor": f}`` (positions divided by f), or
         ``{"type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
         "original_max_position_embeddings"}`` (Llama 3.1 frequency scaling, as in HF's
-        ``rope_scaling``; ``"rope_type"`` is accepted for ``"type"``).
+        ``rope_scaling``; ``"rope_type"`` is accepted for ``"type"``). transformers 5's
+        ``config.rope_parameters`` is taken as it is: its ``"rope_theta"`` must equal theta,
+        and ``{"rope_type": "default"}`` is no scaling.
     Positions are logical token positions: key j has position j, query i of a request with
     qo_len queries and kv_len keys has position kv_len - qo_len + i. Rotary dim = head_dim.
     """
@@ -88,6 +90,13 @@ class RoPE:
             if sc is False:
                 raise SpecError(f"RoPE scaling={self.scaling!r}: expected None or a dict such "
                                 f"as {{'type': 'linear', 'factor': 2.0}}")
+        if sc and "rope_theta" in sc:  # (transformers 5's config.rope_parameters)
+            base = sc.pop("rope_theta")
+            if not _finite_number(base) or float(base) != float(self.theta):
+                raise SpecError(f"RoPE scaling's rope_theta {base!r} differs from theta="
+                                f"{self.theta!r}: pass theta=rope_parameters['rope_theta'] too")
+        if sc and (sc.get("type") or sc.get("rope_type")) == "default" and len(sc) == 1:
+            sc = None  # (rope_parameters of an unscaled model)
         if sc:
             kind = sc.pop("type", None) or sc.pop("rope_type", None)
             need = {"linear": {"factor"},

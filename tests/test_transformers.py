@@ -356,3 +356,16 @@ def test_compiled_model_follows_each_padding_mask():
             got = compiled(ids, attention_mask=mask).logits
             torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-2, rtol=2e-2)
     torch._dynamo.reset()
+
+
+def test_rope_takes_transformers_rope_parameters():
+    """transformers 5 keeps rope_theta inside config.rope_parameters (and rope_type 'default'
+    for an unscaled model): RoPE(scaling=...) refused both ('unexpected rope_theta')."""
+    import jitattn as ja
+    from jitattn.dsl import SpecError
+    scaled = tiny_llama("eager").config.rope_parameters
+    rope = ja.RoPE(theta=scaled["rope_theta"], scaling=scaled)
+    assert dict(rope.scaling)["type"] == "llama3" and rope.theta == 500000.0
+    assert ja.RoPE(theta=1e4, scaling={"rope_type": "default", "rope_theta": 1e4}).scaling is None
+    with pytest.raises(SpecError, match=r"rope_theta 500000.0 differs from theta=10000.0"):
+        ja.RoPE(scaling=scaled)
