@@ -143,7 +143,9 @@ class RoPE:
 class Variant:
     """An attention variant: what the attention computes (dtypes and shapes come at call time).
 
-    name: identifier used in cache names ([A-Za-z0-9][A-Za-z0-9_.-]*).
+    name: identifier used in kernel and cache names ([A-Za-z0-9][A-Za-z0-9_.-]*); by default
+        the mods' function names joined by "_" (a lambda's is not one), else "variant". The
+        kernels of two variants never mix: their cache keys hash what they compute.
     mask: ``"none"``; ``"causal"`` (the default; bottom-right aligned: query i of a request sees
         keys j <= kv_len - qo_len + i); ``"custom"`` (an explicit boolean mask per request, given to
         BatchPrefill.plan); ``"multi_item"`` (a shared prefix seen causally plus items that see
@@ -166,7 +168,7 @@ class Variant:
     Raises SpecError for anything that cannot be compiled.
     """
 
-    name: str
+    name: str | None = None
     mask: Literal["none", "causal", "custom", "multi_item"] | None = None  # None: "causal"
     window_left: int | None = None
     score_mod: Callable | None = None
@@ -180,6 +182,11 @@ class Variant:
     _direct_index: tuple = field(init=False, repr=False, default=())
 
     def __post_init__(self):
+        if self.name is None:  # (FlexAttention has no name to give)
+            named = [getattr(fn, "__name__", "") for fn in (self.score_mod, self.mask_mod)]
+            object.__setattr__(self, "name", "_".join(
+                n for n in named if isinstance(n, str) and _NAME.fullmatch(n))[:64] or
+                "variant")
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise SpecError(f"Variant name={self.name!r}: expected [A-Za-z0-9][A-Za-z0-9_.-]*, "
                             f"at most 64 characters")

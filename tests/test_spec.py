@@ -195,3 +195,16 @@ def test_a_mask_mod_without_a_mask_warns_that_it_is_anded_with_causal():
         assert ja.Variant("enc_doc", mask="none", mask_mod=same_doc).mask == "none"
         assert ja.Variant("dec_doc", mask="causal", mask_mod=same_doc).mask == "causal"
         assert ja.Variant("plain").mask == "causal"
+
+
+def test_a_variant_needs_no_name():
+    """FlexAttention has no name to give: Variant() without one was a TypeError. The default is
+    the mods' function names, else "variant"; variants of one name never share a kernel."""
+    def document(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    assert ja.Variant().name == "variant"
+    assert ja.Variant(score_mod=lambda s, b, h, q, k: s * 2.0).name == "variant"
+    assert ja.Variant(mask="none", score_mod=ja.soft_cap(30.0), mask_mod=document).name == \
+        "softcap_document"
+    assert ja.Variant(score_mod=ja.soft_cap(30.0)).key != ja.Variant(
+        score_mod=ja.soft_cap(20.0)).key
