@@ -90,6 +90,12 @@ class RoPE:
             if sc is False:
                 raise SpecError(f"RoPE scaling={self.scaling!r}: expected None or a dict such "
                                 f"as {{'type': 'linear', 'factor': 2.0}}")
+        if sc and all(isinstance(x, Mapping) for x in sc.values()):
+            raise SpecError(f"RoPE scaling has one dict per layer type ({sorted(sc)}); pass "
+                            f"the one of this layer's type, e.g. scaling=rope_parameters"
+                            f"[{next(iter(sc))!r}]")
+        if sc and sc.get("partial_rotary_factor", 1.0) == 1.0:  # (Phi-3's: all rotated)
+            sc.pop("partial_rotary_factor", None)
         if sc and "rope_theta" in sc:  # (transformers 5's config.rope_parameters)
             base = sc.pop("rope_theta")
             if not _finite_number(base) or float(base) != float(self.theta):
@@ -102,6 +108,10 @@ class RoPE:
             need = {"linear": {"factor"},
                     "llama3": {"factor", "low_freq_factor", "high_freq_factor",
                                "original_max_position_embeddings"}}
+            if kind == "default":  # (what rope_type 'default' came with)
+                raise SpecError(f"RoPE scaling {self.scaling!r}: rope_type 'default' takes no "
+                                f"other field but rope_theta (partial_rotary_factor 1.0: "
+                                f"partial rotary embeddings are not supported)")
             if kind not in need:
                 raise SpecError(f"RoPE scaling type {kind!r}: expected 'linear' or 'llama3'")
             missing, extra = need[kind] - set(sc), set(sc) - need[kind]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import dtypes
 from .dsl import SYMBOLS, Expr, SpecError, TensorParam, _lift
@@ -39,6 +40,7 @@ class _Tracer:
     prefix: str = "captured"
     captured: list = field(default_factory=list)
     names: dict = field(default_factory=dict)  # id(tensor) -> the Python name it was found by
+    made: list = field(default_factory=list)  # 0-d tensors torch computed during the trace
 
     def capture(self, t: torch.Tensor) -> TensorParam:
         for p in self.captured:
@@ -67,12 +69,11 @@ class _Tracer:
             if p.scalar_of is t:
                 return p[0]
         name = self.names.get(id(t))
-        if name is None:  # (1 / t, t.exp(): torch computed it while tracing, once)
+        if any(m is t for m in self.made):  # (1 / t, t.exp(): torch computed it once, here)
             raise SpecError(f"a 0-d tensor ({t.item()!r}) that the mod computed while it was "
-                            f"traced would keep that value at every call; a 0-d tensor is "
-                            f"read per call only as a variable of the mod (a closure or a "
-                            f"global): write the arithmetic on the traced value (score / t, "
-                            f"not score * (1 / t)), or use ja.scalar")
+                            f"traced would keep that value at every call (a captured 0-d "
+                            f"tensor is read per call): write the arithmetic on the traced "
+                            f"value (score / t, not score * (1 / t)), or use ja.scalar")
         if t.dtype not in dtypes.TAG:
             raise SpecError(f"captured 0-d tensor{f' {name!r}' if name else ''} has dtype "
                             f"{t.dtype}; expected one of {list(dtypes.FROM_NAME)} (or a Python "
@@ -116,6 +117,22 @@ def current() -> _Tracer:
     if tracer is None:
         tracer = _LOCAL.tracer = _Tracer()
     return tracer
+
+
+class _Computed(TorchFunctionMode):
+    """Keeps the 0-d tensors torch computes while a mod is traced (1 / t of a captured t):
+    such a value is the trace's, and capture_scalar refuses it rather than read it per call
+    (held, so that no other tensor takes its id)."""
+
+    def __init__(self, made: list):
+        super().__init__()
+        self.made = made
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dim() == 0:
+            self.made.append(out)
+        return out
 
 
 # bounds on one traced mod: walks over an expression (building the Variant, rendering, the
@@ -186,7 +203,8 @@ def trace(fn, kind: str) -> Traced:
     except (OSError, TypeError):
         src = "<unknown>"
     try:
-        out = fn(*args)
+        with _Computed(_LOCAL.tracer.made):
+            out = fn(*args)
     except SpecError as e:
         raise SpecError(f"{label} (defined at {src}{_offending_line(e)}): {e}") from None
     except RecursionError:

@@ -485,3 +485,31 @@ def test_torch_forms_that_do_not_trace_say_what_does():
     with pytest.raises(ValueError, match=r"sm_scale=tensor\(0.1250\).*t.item\(\)"):
         ja.attention(*(torch.randn(3, 2, 64).half() for _ in range(3)), ja.Variant("p"),
                      sm_scale=torch.tensor(0.125))
+
+
+def test_a_0d_tensor_reached_otherwise_than_by_closure_is_read_per_call():
+    """A 0-d tensor given through functools.partial, an object's attribute, a dict or a default
+    argument was refused as 'computed while tracing' (only closures and globals were known);
+    what torch computes during the trace (1 / t) still is."""
+    import functools
+    t = torch.tensor(0.5)
+
+    def scaled(s, b, h, q, k, factor):
+        return s * factor
+
+    class Scaled:
+        factor = t
+
+        def __call__(self, s, b, h, q, k):
+            return s * self.factor
+
+    table = {"t": t}
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(11, 2, 64, generator=gen).half() for _ in range(3))
+    for mod in (functools.partial(scaled, factor=t), Scaled(),
+                lambda s, b, h, q, k: s * table["t"], lambda s, b, h, q, k, f=t: s * f):
+        variant = ja.Variant(mask="none", score_mod=mod)
+        t.fill_(3.0)
+        want = _flex_eager(q, k, v, lambda s, *_: s * 3.0, None)
+        assert (ja.attention(q, k, v, variant).double() - want).abs().max() < 4e-3
+        t.fill_(0.5)

@@ -369,3 +369,8 @@ def test_rope_takes_transformers_rope_parameters():
     assert ja.RoPE(theta=1e4, scaling={"rope_type": "default", "rope_theta": 1e4}).scaling is None
     with pytest.raises(SpecError, match=r"rope_theta 500000.0 differs from theta=10000.0"):
         ja.RoPE(scaling=scaled)
+    assert ja.RoPE(scaling=transformers.Phi3Config().rope_parameters).scaling is None
+    with pytest.raises(SpecError, match=r"partial rotary embeddings are not supported"):
+        ja.RoPE(scaling={"rope_type": "default", "partial_rotary_factor": 0.5})
+    with pytest.raises(SpecError, match=r"one dict per layer type"):
+        ja.RoPE(scaling=transformers.Gemma3TextConfig().rope_parameters)
