@@ -289,7 +289,7 @@ class Expr:
             raise SpecError(f"torch function {name} cannot be traced; the torch functions "
                             f"that trace are {sorted(_TORCH_NAMES)}, with Python's operators "
                             f"and the ja.* functions (ja.where, ja.tanh, ...)")
-        try:  # (a 0-d tensor captured by closure is a runtime scalar: temperature * score)
+        try:  # (a 0-d tensor the mod reads is a runtime scalar: temperature * score)
             return fn(*(_lift(a) if _scalar_tensor(a) else a for a in args), **(kwargs or {}))
         except TypeError as e:  # (out=, alpha=, a wrong arity: the call's own message)
             raise SpecError(f"torch.{name} with arguments the DSL does not take: {e}") from None
@@ -314,7 +314,7 @@ def _scalar_tensor(x) -> bool:
 def _lift(x) -> Expr:
     if isinstance(x, Expr):
         return x
-    if _scalar_tensor(x):  # a 0-d tensor captured by closure: a runtime scalar, read per call
+    if _scalar_tensor(x):  # a 0-d tensor the mod reads: a runtime scalar, read per call
         from .tracing import current  # (tracing imports this module)
         return current().capture_scalar(x)
     if isinstance(x, (bool, np.bool_)):
