@@ -126,6 +126,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
         raise not_a_variant(variant)
     return_lse = bool_arg("return_lse", return_lse)
     if torch.compiler.is_compiling():  # one opaque custom op: no host reads, no graph break
+        if isinstance(sm_scale, torch.Tensor):  # (the op's float argument: torch's own error)
+            raise ValueError("sm_scale is a tensor; expected a Python float > 0 (pass "
+                             "sm_scale=t.item() outside the compiled code)")
         o, s = ops.attention_traced(q, k, v, variant, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
                                     sm_scale=sm_scale, return_lse=True, params=params)
         return launch.into_outputs(o, s, out, lse, return_lse)

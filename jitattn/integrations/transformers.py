@@ -125,9 +125,13 @@ _RECENT_MASKS = 4
 ADDITIVE_HIDDEN = -1e4
 
 
-# the per-forward cache below must not be traced: under torch.compile (without fullgraph) the
-# first mask's layout was baked into the graph and reused for later masks of the same shape
-@torch.compiler.disable
+# the per-forward cache below must not be traced (host_only): under torch.compile (without
+# fullgraph) the first mask's layout was baked into the graph and reused for later masks of the
+# same shape
+_UNPADDING_REASON = ("jitattn lays out a padded batch's mask on the host: compile without "
+                     "fullgraph=True (one graph break per layer), or pass unpadded batches")
+
+
 def _unpadding(attention_mask: torch.Tensor, variant: ja.Variant, batch: int, q_len: int,
                kv_len: int, first_layer: bool = False) -> _Unpadding:
     # transformers builds a new mask per forward; a mask changed in place is seen by its
@@ -198,8 +202,8 @@ def jitattn_attention_forward(module, query, key, value, attention_mask, dropout
         out = ja.attention(q.contiguous(), k.contiguous(), v.contiguous(), variant,
                            qo_indptr=qo, kv_indptr=kv, sm_scale=scaling)
         return out.reshape(batch, q_len, hq, d), None
-    layout = _unpadding(attention_mask, variant, batch, q_len, kv_len,
-                        getattr(module, "layer_idx", None) == 0)
+    layout = host_only(_UNPADDING_REASON)(_unpadding, attention_mask, variant, batch, q_len,
+                                          kv_len, getattr(module, "layer_idx", None) == 0)
     out = torch.zeros(batch * q_len, hq, d, dtype=query.dtype, device=query.device)
     out[layout.q_rows] = ja.attention(q[layout.q_rows], k[layout.kv_rows], v[layout.kv_rows],
                                       variant, qo_indptr=layout.qo_indptr,
