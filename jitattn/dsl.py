@@ -11,7 +11,7 @@ Each node has a kind: ``"float"`` (computed in float32 by the kernels), ``"int"`
 Python's within int64; emitted in 32 bits where emit.int_range proves the values fit) or
 ``"bool"``. The torch functions and tensor methods FlexAttention's mods use (torch.where,
 torch.tanh, .abs(), .clamp(), b.new_ones(()) as in torch's and_masks, ...) trace to the same
-nodes as the ``ja.*`` functions (TORCH_FUNCTIONS).
+nodes as the ``ja.*`` functions (torch_forms.py).
 
 Python floats become compile-time constants; :func:`scalar` and :func:`tensor` are runtime
 parameters; a torch tensor captured by closure and indexed by symbols becomes a runtime
@@ -202,32 +202,34 @@ class Expr:
         if self.kind == "float":
             raise SpecError("'~' needs a bool or int expression, got a float one")
         return Expr("~", (self,), self.kind)
-    def __rshift__(self, o): return _shift(self, o, right=True)
-    def __lshift__(self, o): return _shift(self, o, right=False)
+    def __rshift__(self, o): return torch_forms.shift(self, o, right=True)
+    def __lshift__(self, o): return torch_forms.shift(self, o, right=False)
 
-    # -- torch's tensor methods that FlexAttention's mods call (TORCH_FUNCTIONS) --------------
+    # -- torch's tensor methods that FlexAttention's mods call (torch_forms.py) --------------
     def abs(self): return abs_(self)
     def exp(self): return exp(self)
     def log(self): return log(self)
     def sigmoid(self): return sigmoid(self)
     def tanh(self): return tanh(self)
-    def clamp(self, min=None, max=None): return _clamp(self, min, max)  # noqa: A002
+    def clamp(self, min=None, max=None): return torch_forms.clamp(self, min, max)  # noqa: A002
     clip = clamp
-    def clamp_min(self, min): return _clamp(self, min, None)  # noqa: A002
-    def clamp_max(self, max): return _clamp(self, None, max)  # noqa: A002
-    def float(self): return _to_kind(self, "float", "float()")
-    def bool(self): return _to_kind(self, "bool", "bool()")
-    def long(self): return _to_kind(self, "int", "long()")
-    def int(self): return _to_int32(self)
-    def to(self, *args, **kwargs): return _to(self, *args, **kwargs)
-    def new_ones(self, size=(), *, dtype=None, **kwargs): return _filled(self, size, 1, dtype)
-    def new_zeros(self, size=(), *, dtype=None, **kwargs): return _filled(self, size, 0, dtype)
+    def clamp_min(self, min): return torch_forms.clamp(self, min, None)  # noqa: A002
+    def clamp_max(self, max): return torch_forms.clamp(self, None, max)  # noqa: A002
+    def float(self): return torch_forms.to_kind(self, "float", "float()")
+    def bool(self): return torch_forms.to_kind(self, "bool", "bool()")
+    def long(self): return torch_forms.to_kind(self, "int", "long()")
+    def int(self): return torch_forms.to_int32(self)
+    def to(self, *args, **kwargs): return torch_forms.to(self, *args, **kwargs)
+    def new_ones(self, size=(), *, dtype=None, **kwargs):
+        return torch_forms.filled(self, size, 1, dtype)
+    def new_zeros(self, size=(), *, dtype=None, **kwargs):
+        return torch_forms.filled(self, size, 0, dtype)
     def new_full(self, size, fill_value, *, dtype=None, **kwargs):
-        return _filled(self, size, fill_value, dtype)
-    def logical_and(self, o): return _logical("&", self, o)
-    def logical_or(self, o): return _logical("|", self, o)
-    def logical_xor(self, o): return _logical("^", self, o)
-    def logical_not(self): return ~_to_kind(self, "bool", "logical_not")
+        return torch_forms.filled(self, size, fill_value, dtype)
+    def logical_and(self, o): return torch_forms.logical("&", self, o)
+    def logical_or(self, o): return torch_forms.logical("|", self, o)
+    def logical_xor(self, o): return torch_forms.logical("^", self, o)
+    def logical_not(self): return ~torch_forms.to_kind(self, "bool", "logical_not")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -284,11 +286,11 @@ class Expr:
             from .tracing import current  # (tracing imports this module)
             return current().capture(args[0])[args[1]]
         name = getattr(func, "__name__", str(func))
-        fn = TORCH_FUNCTIONS.get(func)
+        fn = torch_forms.TORCH_FUNCTIONS.get(func)
         if fn is None:
             raise SpecError(f"torch function {name} cannot be traced; the torch functions "
-                            f"that trace are {sorted(_TORCH_NAMES)}, with Python's operators "
-                            f"and the ja.* functions (ja.where, ja.tanh, ...)")
+                            f"that trace are {sorted(torch_forms.TORCH_NAMES)}, with Python's "
+                            f"operators and the ja.* functions (ja.where, ja.tanh, ...)")
         try:  # (a 0-d tensor the mod reads is a runtime scalar: temperature * score)
             return fn(*(_lift(a) if _scalar_tensor(a) else a for a in args), **(kwargs or {}))
         except TypeError as e:  # (out=, alpha=, a wrong arity: the call's own message)
@@ -447,153 +449,4 @@ def where(cond, a, b) -> Expr:
     return Expr("where", (cond, a, b), kind)
 
 
-# -- torch's functions and tensor methods, as FlexAttention's mods call them -----------------
-
-def _shift(x, n, right: bool) -> Expr:
-    """x >> n, x << n for an int x and a constant int 0 <= n < 63: Python's (floor) semantics,
-    as x // 2**n and x * 2**n."""
-    x, n = _lift(x), _lift(n)
-    if x.kind == "float" or n.op != "const" or n.kind != "int" or not 0 <= n.args[0] < 63:
-        raise SpecError(f"'{'>>' if right else '<<'}' takes an int expression and a constant "
-                        f"int shift 0 .. 62 (x // 2**n, x * 2**n); got {emit_cpp(x)} ({x.kind}) "
-                        f"and {emit_cpp(n)}")
-    return _binary("//" if right else "*", x, 2 ** n.args[0])
-
-
-def _clamp(x, lo, hi) -> Expr:
-    """torch.clamp: min(max(x, lo), hi); either bound may be None."""
-    if lo is None and hi is None:
-        raise SpecError("clamp needs min= or max=")
-    x = _lift(x)
-    x = x if lo is None else maximum(x, lo)
-    return x if hi is None else minimum(x, hi)
-
-
-def _to_kind(x, kind: str, what: str) -> Expr:
-    """x as a float, int or bool expression, as torch converts: bool -> 0 / 1, a number -> bool
-    by != 0. A float cannot become an int (torch truncates; the DSL has no truncation)."""
-    x = _lift(x)
-    if x.kind == kind:
-        return x
-    if kind == "bool":
-        return _compare("!=", x, 0)
-    if x.kind == "bool":
-        return where(x, 1.0 if kind == "float" else 1, 0.0 if kind == "float" else 0)
-    if kind == "float":
-        return _binary("+", x, 0.0)
-    raise SpecError(f"{what}: a float expression cannot be converted to an int in a variant "
-                    f"(keep indices integer: q_idx, kv_idx and int arithmetic on them)")
-
-
-def _to_int32(x) -> Expr:
-    """.int(): an int expression whose every value fits int32 (emit.int_range), else refused
-    (torch would wrap it; the DSL keeps int64)."""
-    x = _to_kind(x, "int", "int()")
-    r = int_range(x)
-    if r is None or not -(2**31) <= r[0] <= r[1] < 2**31:
-        raise SpecError("int(): the expression can leave int32, where torch's conversion would "
-                        "wrap; ints are exact within int64 here: drop the .int() (or use "
-                        ".long())")
-    return x
-
-
-_DTYPE_KIND = {torch.float32: "float", torch.float64: "float", torch.int64: "int",
-               torch.bool: "bool"}
-
-
-def _kind_of(dtype, what: str) -> str | None:
-    if dtype is None:
-        return None
-    if dtype is torch.int32:
-        return "int32"
-    if dtype not in _DTYPE_KIND:
-        raise SpecError(f"{what}: dtype {dtype} cannot be traced; a variant computes in float32, "
-                        f"int64 and bool (torch.float32, torch.int64, torch.bool; float64 is "
-                        f"float32 here)")
-    return _DTYPE_KIND[dtype]
-
-
-def _to(x, *args, dtype=None, **kwargs) -> Expr:
-    """Tensor.to(dtype) or .to(other) (other's dtype, or a traced value's kind): the dtype's
-    kind (_kind_of); devices and copy= flags are ignored."""
-    for a in args:
-        if isinstance(a, Expr):
-            return _to_kind(x, a.kind, "to()")
-        if isinstance(a, (torch.dtype, torch.Tensor)):
-            dtype = a if isinstance(a, torch.dtype) else a.dtype
-    kind = _kind_of(dtype, "to()")
-    if kind is None:
-        return _lift(x)
-    return _to_int32(x) if kind == "int32" else _to_kind(x, kind, "to()")
-
-
-def _filled(like, size, value, dtype) -> Expr:
-    """Tensor.new_ones / new_zeros / new_full and torch.*_like of a traced value: the constant
-    ``value`` as a 0-d value of dtype's kind (like's kind without one)."""
-    if isinstance(size, int) or tuple(size) not in ((), (1,)):
-        raise SpecError(f"a traced value is one element: new_ones / new_zeros / new_full take "
-                        f"size () (got {size!r})")
-    kind = _kind_of(dtype, "new_ones / new_zeros / new_full / *_like") or _lift(like).kind
-    return _to_kind(_lift(value), "int" if kind == "int32" else kind,
-                    f"a fill value of {value!r} for an {kind} value")
-
-
-def _logical(op, a, b) -> Expr:
-    return _logic(op, _to_kind(a, "bool", "logical"), _to_kind(b, "bool", "logical"))
-
-
-def _where(condition, input=None, other=None) -> Expr:  # noqa: A002 (torch's names)
-    if input is None or other is None:
-        raise SpecError("torch.where(condition) (the indices form) cannot be traced; use "
-                        "torch.where(condition, a, b)")
-    return where(condition, input, other)
-
-
-def _two(fn):
-    """torch.min / torch.max of two values (their elementwise form only)."""
-    def pair(input, other=None, *rest, **kwargs):  # noqa: A002 (torch's names)
-        if not isinstance(other, Expr) or rest or kwargs:
-            raise SpecError(f"torch.{fn.__name__[:3]} over a dimension cannot be traced; the "
-                            f"elementwise torch.{fn.__name__[:3]}(a, b) of two traced values "
-                            f"can, and ja.{fn.__name__}(a, number)")
-        return fn(input, other)
-    return pair
-
-
-def _binary_op(op):
-    return lambda a, b: op(_lift(a), b)
-
-
-_T = torch.Tensor
-# torch function or tensor method -> what it traces to (Expr.__torch_function__; the methods a
-# traced value is called with are Expr's own, above)
-TORCH_FUNCTIONS = {
-    torch.where: _where, torch.tanh: tanh, _T.tanh: tanh, torch.exp: exp, _T.exp: exp,
-    torch.log: log, _T.log: log, torch.sigmoid: sigmoid, _T.sigmoid: sigmoid,
-    torch.abs: abs_, torch.absolute: abs_, _T.abs: abs_,
-    torch.square: lambda x: _binary("*", x, x),
-    torch.minimum: minimum, torch.maximum: maximum, torch.min: _two(minimum),
-    torch.max: _two(maximum),
-    torch.clamp: lambda x, min=None, max=None: _clamp(x, min, max),  # noqa: A002
-    torch.clip: lambda x, min=None, max=None: _clamp(x, min, max),  # noqa: A002
-    torch.clamp_min: lambda x, min: _clamp(x, min, None),  # noqa: A002
-    torch.clamp_max: lambda x, max: _clamp(x, None, max),  # noqa: A002
-    torch.logical_and: lambda a, b: _logical("&", a, b),
-    torch.logical_or: lambda a, b: _logical("|", a, b),
-    torch.logical_xor: lambda a, b: _logical("^", a, b),
-    torch.logical_not: lambda x: ~_to_kind(x, "bool", "logical_not"),
-    torch.zeros_like: lambda x, *, dtype=None, **k: _filled(x, (), 0, dtype),
-    torch.ones_like: lambda x, *, dtype=None, **k: _filled(x, (), 1, dtype),
-    torch.full_like: lambda x, fill_value, *, dtype=None, **k: _filled(x, (), fill_value, dtype),
-    # a 0-d tensor captured by closure on the left of an operator (temperature * score)
-    _T.add: _binary_op(operator.add), _T.sub: _binary_op(operator.sub),
-    _T.mul: _binary_op(operator.mul), _T.div: _binary_op(operator.truediv),
-    _T.floor_divide: _binary_op(operator.floordiv), _T.remainder: _binary_op(operator.mod),
-    _T.pow: _binary_op(operator.pow), _T.lt: _binary_op(operator.lt),
-    _T.le: _binary_op(operator.le), _T.gt: _binary_op(operator.gt),
-    _T.ge: _binary_op(operator.ge), _T.eq: _binary_op(operator.eq),
-    _T.ne: _binary_op(operator.ne), _T.__floordiv__: _binary_op(operator.floordiv),
-    _T.__pow__: _binary_op(operator.pow), _T.__and__: _binary_op(operator.and_),
-    _T.__or__: _binary_op(operator.or_), _T.__xor__: _binary_op(operator.xor),
-}
-_TORCH_NAMES = {f.__name__ for f in TORCH_FUNCTIONS if getattr(torch, f.__name__, None) is f}
+from . import torch_forms  # noqa: E402  (built on Expr and the functions above)

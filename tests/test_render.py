@@ -72,7 +72,7 @@ def test_nvcc_compiles_sm90a(name, kind, dtype_tag, head_dim, kv_tag, arch):
 
 @needs_nvcc
 def test_nvcc_compiles_flex_attention_forms():
-    """torch functions, tensor methods, shifts and a captured 0-d tensor (dsl.TORCH_FUNCTIONS)
+    """torch functions, tensor methods, shifts and a captured 0-d tensor (torch_forms.py)
     in one variant's CUDA."""
     temperature = torch.tensor(0.5)
     variant = ja.Variant(
