@@ -167,20 +167,19 @@ class PrefixTrie:
         if self._count > EXACT_MAX_REQUESTS:
             return self._groups_by_branch(min_members)
         top = self._walk(self.root)
-        order, stack = [], [top]  # branch points, parents before children
+        # branch points, parents before children, with their depths and branch points below
+        order, below, depth = [], {}, {id(top): self._depth(self.root, top)}
+        stack = [top]
         while stack:
             node = stack.pop()
             order.append(node)
-            stack += [self._walk(c) for c in node.children.values()]
-        depth = {id(top): self._depth(self.root, top)}
-        for node in order:
-            for child in node.children.values():
-                below = self._walk(child)
-                depth[id(below)] = depth[id(node)] + 1 + self._depth(child, below)
+            below[id(node)] = [self._walk(c) for c in node.children.values()]
+            for child, walked in zip(node.children.values(), below[id(node)]):
+                depth[id(walked)] = depth[id(node)] + 1 + self._depth(child, walked)
+            stack += below[id(node)]
         plans = {}
         for node in reversed(order):  # children before parents
-            plans[id(node)] = _BranchPlan(node, [plans[id(self._walk(c))]
-                                                 for c in node.children.values()],
+            plans[id(node)] = _BranchPlan(node, [plans[id(c)] for c in below[id(node)]],
                                           depth[id(node)] * self.block_size, min_members)
         # top down: how many requests each branch point passes up, then who they are
         top_plan = plans[id(top)]
