@@ -166,10 +166,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
 
     # a caller's out sharing memory with k or v, or partly with q, would be written while
     # other rows' products still read it: refused, as for lse (out=q itself is in place)
-    out = launch.output_buffer("out", out, (total_q, hq, head_dim), q.dtype, q.device,
-                               apart_from=None if out is None else {
-                                   "k": k, "v": v, **({} if launch.same_view(out, q) else
-                                                      {"q": q})})
+    if out is None and q.is_contiguous():  # (2-3 us less than torch.empty's dtype, device)
+        out = torch.empty_like(q)
+    else:
+        out = launch.output_buffer("out", out, (total_q, hq, head_dim), q.dtype, q.device,
+                                   apart_from=None if out is None else {
+                                       "k": k, "v": v, **({} if launch.same_view(out, q) else
+                                                          {"q": q})})
     if lse is not None or return_lse:  # (else the kernels store no lse: one allocation less)
         lse = launch.output_buffer("lse", lse, (total_q, hq), torch.float32, q.device, align=4,
                                    apart_from={"out": out, "q": q, "k": k, "v": v})

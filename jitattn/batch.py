@@ -311,25 +311,30 @@ class BatchPrefill:
                                         **params)
             raise RuntimeError(f"{type(self).__name__}.run() called before plan() (or after a "
                                f"plan() that raised)")
-        if not checks.hold(q, k_cache, v_cache):
+        held = checks.hold(q, k_cache, v_cache)
+        if held is None:  # check() names what is wrong (hold() tests the same conditions)
             checks.check(q, k_cache, v_cache)
+            held = (launch.kv_strides(k_cache, self.kv_layout),
+                    launch.kv_strides(v_cache, self.kv_layout), False)
+        k_strides, v_strides, q_dense = held
         pl, plan, ws = self._planned, self._plan, self._ws
         bound = self.variant.bind(params, device=q.device, sizes=pl["sizes"])
         shape = (pl["total_q"], pl["num_qo_heads"], pl["head_dim"])
-        # a caller's out partly inside q would be written while other rows still read q (out
-        # one row past q gave wrong rows): refused; out=q itself is in place, which the kernels
-        # allow (the caches are not checked, for host time)
-        out = launch.output_buffer("out", out, shape, q.dtype, q.device, apart_from=None
-                                   if out is None or launch.same_view(out, q) else {"q": q})
+        if out is None:  # (empty_like: 2-3 us less than torch.empty with dtype and device)
+            out = torch.empty_like(q) if q_dense else torch.empty(shape, dtype=q.dtype,
+                                                                  device=q.device)
+        else:  # a caller's out partly inside q would be written while other rows still read q
+            #    (out one row past q gave wrong rows): refused; out=q itself is in place, which
+            #    the kernels allow (the caches are not checked, for host time)
+            out = launch.output_buffer("out", out, shape, q.dtype, q.device, apart_from=None
+                                       if launch.same_view(out, q) else {"q": q})
         if lse is not None or return_lse:  # (else the kernels store no lse: one allocation less)
             lse = launch.output_buffer("lse", lse, shape[:2], torch.float32, q.device, align=4,
                                        apart_from={"out": out, "q": q})
         launcher = self._launcher
         if launcher is not None:  # this plan's launch as its first run() resolved it
-            layout = self.kv_layout
-            launcher(q, k_cache, v_cache, out, lse, launch.kv_strides(k_cache, layout),
-                     launch.kv_strides(v_cache, layout), pl["sm_scale"] * k_scale,
-                     self.variant, bound)
+            launcher(q, k_cache, v_cache, out, lse, k_strides, v_strides,
+                     pl["sm_scale"] * k_scale, self.variant, bound)
         else:
             kv = launch.KVView.ragged(k_cache, v_cache) if self.kv_layout == "ragged" else \
                 launch.KVView.paged(k_cache, v_cache, ws.view("kv_indices"), self.kv_layout)
@@ -338,7 +343,7 @@ class BatchPrefill:
                 kind=pl["kind"], plan=self._device_plan, batch=pl["batch"],
                 max_qo_len=pl["sizes"]["qo_len"], single_qo_len=0, single_kv_len=0,
                 sm_scale=pl["sm_scale"] * k_scale, shared_kv=pl["shared_kv"])
-        capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        capturing = checks.device_index >= 0 and torch.cuda.is_current_stream_capturing()
         if capturing:
             self._captured_kind = pl["kind"]
             self._captured_shared_kv = pl["shared_kv"]
