@@ -96,6 +96,19 @@ def test_masks_that_are_not_padding_are_refused():
         jitattn_attention_forward(module, q, q, q, packed)
     with pytest.raises(ValueError, match="dropout"):
         jitattn_attention_forward(module, q, q, q, None, dropout=0.1)
+    with pytest.raises(ValueError, match="position_bias: .* takes no bias tensor"):
+        jitattn_attention_forward(module, q, q, q, None, position_bias=torch.zeros(1, 4, 6, 6))
+
+
+def test_output_attentions_warns_and_gives_none():
+    q = torch.randn(1, 4, 6, 64).half()
+    module = torch.nn.Module()
+    with pytest.warns(UserWarning, match="no attention weights"):
+        out, weights = jitattn_attention_forward(module, q, q, q, None, scaling=0.125,
+                                                 output_attentions=True)
+    assert weights is None
+    torch.testing.assert_close(out.float(), _sdpa(q, q, q, is_causal=True), atol=2e-3,
+                               rtol=0)
 
 
 @pytest.mark.parametrize("q_len", [4, 12])

@@ -18,10 +18,13 @@ variant computes on them; padding rows (and queries that see no key) give 0. A m
 1 covers every request. A mask that is not padding-shaped (e.g. packed sequences), or additive
 with values other than 0 and a large negative (a bias), raises ValueError. Under torch.compile
 the layout is built outside the graph (a graph break per layer with a padded mask).
+No attention weights are returned (output_attentions=True warns, as with transformers' sdpa),
+and a position_bias (T5's relative bias) raises ValueError rather than being dropped.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -175,9 +178,19 @@ def jitattn_attention_forward(module, query, key, value, attention_mask, dropout
     """transformers' attention signature: query [batch, heads, q_len, head_dim], key / value
     [batch, kv_heads, kv_len, head_dim], attention_mask None or [batch, 1, q_len, kv_len]
     (bool, True = attend, or additive float); returns (out [batch, q_len, heads, head_dim],
-    None). Raises ValueError for dropout or a mask that is not padding-shaped."""
+    None; with output_attentions=True it warns, as transformers' sdpa does). Raises
+    ValueError for dropout, a position_bias (T5's relative bias: a bias is a Variant's
+    score_mod) or a mask that is not padding-shaped."""
     if dropout:
         raise ValueError(f"dropout={dropout}: jitattn is for inference (dropout 0)")
+    if kwargs.get("position_bias") is not None:  # (dropped, it would give wrong outputs)
+        raise ValueError("position_bias: jitattn's attention takes no bias tensor (a bias is "
+                         "a Variant's score_mod); run this model with attn_implementation="
+                         "'eager'")
+    if kwargs.get("output_attentions"):
+        warnings.warn("jitattn attention returns no attention weights (output_attentions="
+                      "True gives None for them, as with 'sdpa'); use attn_implementation="
+                      "'eager' for them", stacklevel=2)
     if query.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"the model runs attention in {query.dtype}; jitattn's kernels take "
                         f"float16 or bfloat16: load or cast the model to one of them (e.g. "
