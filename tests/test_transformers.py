@@ -387,3 +387,38 @@ def test_rope_takes_transformers_rope_parameters():
         ja.RoPE(scaling={"rope_type": "default", "partial_rotary_factor": 0.5})
     with pytest.raises(SpecError, match=r"one dict per layer type"):
         ja.RoPE(scaling=transformers.Gemma3TextConfig().rope_parameters)
+
+
+def test_gpt_oss_attention_sinks_and_window_match_eager():
+    """gpt-oss passes its attention sinks as s_aux (one logit per head in every row's
+    softmax) and alternates sliding-window and full layers: logits equal eager's, unpadded
+    and with left padding (transformers' sdpa drops the sinks: 0.4 off here)."""
+    cfg = transformers.GptOssConfig(
+        num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=512,
+        hidden_size=128, intermediate_size=128, head_dim=64, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).to(torch.float16).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 2.0)  # (initialised near 0: they would not show)
+    name = register()
+    ids = torch.randint(0, 512, (2, 37), generator=torch.Generator().manual_seed(1))
+    padded = torch.ones(2, 37, dtype=torch.long)
+    padded[1, :5] = 0
+    with torch.inference_mode():
+        for mask in (None, padded):
+            model.config._attn_implementation = "eager"
+            eager = model(ids, attention_mask=mask).logits
+            model.config._attn_implementation = name
+            ours = model(ids, attention_mask=mask).logits
+            real = slice(None) if mask is None else mask.bool()
+            torch.testing.assert_close(ours[real], eager[real], atol=2e-2, rtol=2e-2)
+
+
+def test_sinks_of_the_wrong_shape_are_refused():
+    q = torch.randn(1, 4, 6, 64).half()
+    with pytest.raises(ValueError, match=r"s_aux \(attention sinks\) has shape \(2,\); "
+                                         r"expected one logit per query head, \(4,\)"):
+        jitattn_attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))

@@ -18,7 +18,9 @@ variant computes on them; padding rows (and queries that see no key) give 0. A m
 1 covers every request. A mask that is not padding-shaped (e.g. packed sequences), or additive
 with values other than 0 and a large negative (a bias), raises ValueError. Under torch.compile
 the layout is built outside the graph (a graph break per layer with a padded mask).
-No attention weights are returned (output_attentions=True warns, as with transformers' sdpa),
+Attention sinks (gpt-oss's ``s_aux``) renormalise the output by the lse, as transformers'
+flex_attention does. No attention weights are returned (output_attentions=True warns, as with
+transformers' sdpa),
 and a position_bias (T5's relative bias) raises ValueError rather than being dropped.
 """
 
@@ -195,6 +197,12 @@ def jitattn_attention_forward(module, query, key, value, attention_mask, dropout
         raise TypeError(f"the model runs attention in {query.dtype}; jitattn's kernels take "
                         f"float16 or bfloat16: load or cast the model to one of them (e.g. "
                         f"from_pretrained(..., dtype=torch.bfloat16) or model.half())")
+    sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks, [num_qo_heads]
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or
+                              tuple(sinks.shape) != (query.shape[1],)):
+        raise ValueError(f"s_aux (attention sinks) has shape "
+                         f"{tuple(getattr(sinks, 'shape', ()))}; expected one logit per query "
+                         f"head, ({query.shape[1]},)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     variant = variant_for(bool(causal), sliding_window, softcap)
     batch, hq, q_len, d = query.shape
@@ -213,15 +221,28 @@ def jitattn_attention_forward(module, query, key, value, attention_mask, dropout
         qo = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32)
         kv = torch.arange(0, batch * kv_len + 1, kv_len, dtype=torch.int32)
         out = ja.attention(q.contiguous(), k.contiguous(), v.contiguous(), variant,
-                           qo_indptr=qo, kv_indptr=kv, sm_scale=scaling)
-        return out.reshape(batch, q_len, hq, d), None
+                           qo_indptr=qo, kv_indptr=kv, sm_scale=scaling,
+                           return_lse=sinks is not None)
+        return _with_sinks(out, sinks).reshape(batch, q_len, hq, d), None
     layout = host_only(_UNPADDING_REASON)(_unpadding, attention_mask, variant, batch, q_len,
                                           kv_len, getattr(module, "layer_idx", None) == 0)
     out = torch.zeros(batch * q_len, hq, d, dtype=query.dtype, device=query.device)
-    out[layout.q_rows] = ja.attention(q[layout.q_rows], k[layout.kv_rows], v[layout.kv_rows],
-                                      variant, qo_indptr=layout.qo_indptr,
-                                      kv_indptr=layout.kv_indptr, sm_scale=scaling)
+    out[layout.q_rows] = _with_sinks(ja.attention(
+        q[layout.q_rows], k[layout.kv_rows], v[layout.kv_rows], variant,
+        qo_indptr=layout.qo_indptr, kv_indptr=layout.kv_indptr, sm_scale=scaling,
+        return_lse=sinks is not None), sinks)
     return out.reshape(batch, q_len, hq, d), None
+
+
+def _with_sinks(result, sinks):
+    """The output with attention sinks (gpt-oss's ``s_aux``: one logit per query head that
+    joins every row's softmax with no value): out x exp(lse) / (exp(lse) + exp(sink)) =
+    out x sigmoid(lse - sink), lse the row's natural-log sum over its keys (0 where it sees
+    none); ``result`` is out alone when sinks is None, else (out, lse)."""
+    if sinks is None:
+        return result
+    out, lse = result
+    return (out.float() * torch.sigmoid(lse - sinks.float())[..., None]).to(out.dtype)
 
 
 def register(name: str = "jitattn") -> str:
