@@ -61,9 +61,10 @@ class RunInputs:
         (page, slot, head) strides in elements as launch.kv_strides gives them, and whether q
         is contiguous; or None, which sends the call through check(), which names what is
         wrong."""
-        index = self.device_index  # (get_device() is -1 for CPU and for meta tensors alike)
+        # (get_device() is -1 for CPU and meta tensors alike, and other devices have indices)
+        index, cuda = self.device_index, self.device_index >= 0
         if not (isinstance(q, torch.Tensor) and q.get_device() == index and
-                (index >= 0 or q.is_cpu) and q.dtype == self.q_dtype and
+                (q.is_cuda if cuda else q.is_cpu) and q.dtype == self.q_dtype and
                 q.size() == self.q_shape and not q.data_ptr() % 16):
             return None
         qs = q.stride()
@@ -72,7 +73,7 @@ class RunInputs:
         kv = []
         for c in (k_cache, v_cache):
             if not (isinstance(c, torch.Tensor) and c.get_device() == index and
-                    (index >= 0 or c.is_cpu) and c.dtype == self.kv_dtype and
+                    (c.is_cuda if cuda else c.is_cpu) and c.dtype == self.kv_dtype and
                     not c.data_ptr() % 16):
                 return None
             key = (c.size(), c.stride())
