@@ -18,7 +18,7 @@ cache = tuple(torch.randn(sum(pages), page_size, hkv, d, dtype=torch.float16, de
               for _ in range(2))
 q = torch.randn(len(kv_lens), hq, d, dtype=torch.float16, device=device)
 
-variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+variant = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))
 decode = ja.BatchDecode(variant, page_size=page_size, device=device)
 plan = decode.plan(kv_indptr, kv_indices, last, hq, hkv, d)
 print(plan.describe())

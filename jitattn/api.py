@@ -3,12 +3,10 @@ reading indptr tensors that live on the GPU (pass them on the CPU to avoid that 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from . import dtypes, jit, launch, ops, render
-from .args import bool_arg, not_a_variant
+from .args import bool_arg, not_a_variant, warn_no_grad
 from .plan import check_seq_lens
 from .render import HEAD_DIMS
 from .spec import Variant
@@ -113,8 +111,9 @@ def _host_indptr(name: str, indptr, total: int, rows_of: str) -> list[int]:
     return host
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant, *,
-              qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              variant: Variant | None = None, *, qo_indptr: torch.Tensor | None = None,
+              kv_indptr: torch.Tensor | None = None,
               sm_scale: float | None = None, return_lse: bool = False,
               out: torch.Tensor | None = None, lse: torch.Tensor | None = None, **params):
     """Attention of one request, or a ragged batch, under ``variant``; no paging.
@@ -131,6 +130,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     out, lse: optional preallocated outputs (contiguous, shapes and dtypes as returned below;
         out 16-byte aligned, sharing no memory with k, v or each other, and none with q
         unless it is q itself: in place); every element is written.
+    variant: the Variant (required: None only so that FlexAttention's call, attention(q, k,
+        v, score_mod=f), gets a TypeError saying where f goes).
     params: the variant's runtime parameters by name (``variant.runtime_param_names``).
     Returns out [total_q, num_qo_heads, head_dim] (q's dtype), and with return_lse also lse
     [total_q, num_qo_heads] float32, natural log; rows that see no key give out 0, lse -inf.
@@ -146,6 +147,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
     head-group fusion (FlashInfer, arXiv 2501.01005, section 3.2).
     """
     if not isinstance(variant, Variant):
+        mods = sorted({"score_mod", "mask_mod", "block_mask"} & set(params))
+        if variant is None and mods:  # (FlexAttention's call)
+            raise TypeError(f"attention() takes a Variant, not {'= / '.join(mods)}=: "
+                            f"attention(q, k, v, jitattn.Variant(score_mod=f, mask='none')) "
+                            f"(or mask_mod=f)")
         raise not_a_variant(variant)
     return_lse = bool_arg("return_lse", return_lse)
     if torch.compiler.is_compiling():  # one opaque custom op: no host reads, no graph break
@@ -160,10 +166,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varian
                          f"given to BatchPrefill.plan(); attention() takes none or causal")
     if not _qkv_fine(q, k, v):
         _check_qkv(q, k, v)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        warnings.warn("jitattn.attention has no backward (inference only): its output does "
-                      "not track gradients; call it under torch.no_grad() or "
-                      "torch.inference_mode()", stacklevel=2)
+    warn_no_grad("jitattn.attention", q, k, v)
     total_q, hq, head_dim = q.shape
     hkv = k.shape[1]
     if (qo_indptr is None) != (kv_indptr is None):

@@ -13,6 +13,7 @@ import math
 import numbers
 import operator
 import struct
+import warnings
 
 import numpy as np
 import torch
@@ -37,11 +38,15 @@ def int_arg(name: str, value, minimum: int = 1, maximum: int | None = None) -> i
 
 def not_a_variant(value, wrapper: str | None = None) -> TypeError:
     """The TypeError for a ``variant`` argument that is not a jitattn.Variant; for a wrapper
-    given a tensor (FlashInfer's wrappers take their workspace buffer first), the hint."""
+    given a tensor (FlashInfer's wrappers take their workspace buffer first), and for a
+    function (a FlexAttention score_mod / mask_mod), the hints."""
     hint = ""
     if wrapper is not None and isinstance(value, torch.Tensor):
         hint = (f" (FlashInfer's wrappers take a workspace buffer first; jitattn's size their "
                 f"own: {wrapper}(variant, ...))")
+    elif callable(value):
+        hint = (" (a score_mod or mask_mod goes into a Variant: jitattn.Variant(score_mod=f, "
+                "mask='none') or jitattn.Variant(mask_mod=f, mask='none'))")
     return TypeError(f"variant must be a jitattn.Variant, got {type(value).__name__}{hint}")
 
 
@@ -222,3 +227,18 @@ def _plan_with_hints(plan, signature, args, kwargs):
             if taken:
                 raise TypeError(f"{e}: {taken}") from None
         raise
+
+
+def warn_no_grad(call: str, *tensors) -> tuple:
+    """The UserWarning of an eager call whose input requires grad: jitattn has no backward
+    (inference only), so its outputs do not track gradients. ``call`` names the entry point;
+    under torch.compile the ops detach their inputs instead (ops._no_grad). Returns the
+    tensors, detached after a warning (an entry point that calls others passes them on, and
+    those then say nothing more)."""
+    if any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor)) and \
+            torch.is_grad_enabled():
+        warnings.warn(f"{call} has no backward (inference only): its output does not track "
+                      f"gradients; call it under torch.no_grad() or torch.inference_mode()",
+                      stacklevel=3)
+        return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in tensors)
+    return tensors

@@ -23,7 +23,7 @@ import torch
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
 from .args import bool_arg, extra_run_args, int_arg, kv_scales, not_a_variant, planner, \
-    reject_run_kwargs, resolve_device
+    reject_run_kwargs, resolve_device, warn_no_grad
 from .batch_inputs import check_batch
 from .plan import Plan, make_plan
 from .porting import unexpected_keywords
@@ -317,6 +317,8 @@ class BatchPrefill:
             held = (launch.kv_strides(k_cache, self.kv_layout),
                     launch.kv_strides(v_cache, self.kv_layout), False)
         k_strides, v_strides, q_dense = held
+        if q.requires_grad:  # (an attribute read first: host time)
+            warn_no_grad(f"{self.run_owner or type(self).__name__}.run", q)
         pl, plan, ws = self._planned, self._plan, self._ws
         bound = self.variant.bind(params, device=q.device, sizes=pl["sizes"])
         shape = (pl["total_q"], pl["num_qo_heads"], pl["head_dim"])

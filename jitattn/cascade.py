@@ -26,7 +26,7 @@ import torch
 from . import masks as masks_mod
 from . import launch, ops
 from .args import bool_arg, extra_run_args, int_arg, not_a_variant, over_capacity, planner, \
-    reject_run_kwargs, resolve_device
+    reject_run_kwargs, resolve_device, warn_no_grad
 from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors, page_size_arg
 from .batch_inputs import check_batch
 from .emit import MAX_SEQ_LEN
@@ -199,6 +199,14 @@ class MultiLevelCascade:
         if q.shape[0] < self._min_rows:
             raise ValueError(f"q has {q.shape[0]} rows; the plan uses rows up to "
                              f"{self._min_rows - 1}")
+        q, = warn_no_grad(f"{type(self).__name__}.run", q)
+        planned = self.levels[-1]._run_inputs  # (every level's: one plan() set them all)
+        if q.shape[1:] != planned.q_shape[1:] or q.dtype != planned.q_dtype:
+            # (else a level names its slice of q: a shape the caller never passed)
+            heads, head_dim = planned.q_shape[1:]
+            raise (ValueError if q.dtype == planned.q_dtype else TypeError)(
+                f"q is {tuple(q.shape)} {q.dtype}; the plan expects [total_q, {heads}, "
+                f"{head_dim}] {planned.q_dtype} (plan(..., q_dtype=) sets the dtype)")
         n, total = len(self.levels), q.shape[0]
         # (the levels read q before the merge writes out, but CascadeDecode's plain strategy
         # refuses an out partly inside q: so do the cascades, whichever strategy auto takes)

@@ -16,6 +16,7 @@ import math
 import torch
 
 from . import launch
+from .args import warn_no_grad
 
 _O_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -49,6 +50,7 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, reduction: str = "softma
     Raises TypeError / ValueError for wrong dtypes, shapes, devices or strides.
     """
     _check_state("merge_states", o, lse)
+    warn_no_grad("merge_states", o, lse)
     if reduction not in ("softmax", "sigmoid"):
         raise ValueError(f"reduction={reduction!r}: expected 'softmax' or 'sigmoid'")
     if o.dim() < 3:
@@ -87,7 +89,10 @@ def _merge_pair(o_a, lse_a, o_b, lse_b, out, lse_out, reduction: str, *, caller:
     if reduction not in ("softmax", "sigmoid"):
         raise ValueError(f"reduction={reduction!r}: expected 'softmax' or 'sigmoid'")
     rows = lse_a.numel()
-    if rows:
+    if rows and not o_a.shape[-1]:  # (head_dim 0: only lse merges; the kernels' pair mode
+        #                                would read an empty o_b's null address as no pair)
+        torch.logaddexp(lse_a, lse_b, out=lse_out)
+    elif rows:
         launch.run_merge(o_a, lse_a, out, lse_out, sigmoid=reduction == "sigmoid",
                          num_merged=rows, o_second=o_b, lse_second=lse_b)
 
@@ -96,6 +101,7 @@ def merge_state(o_a, lse_a, o_b, lse_b, *, reduction: str = "softmax"):
     """Merge two attention states of the same shape: o [..., head_dim], lse [...] float32.
     Returns (o, lse). See merge_states."""
     _check_state("merge_state (o_a, lse_a)", o_a, lse_a)  # (before empty_like reads them)
+    warn_no_grad("merge_state", o_a, lse_a, o_b, lse_b)
     out, lse_out = torch.empty_like(o_a), torch.empty_like(lse_a)
     _merge_pair(o_a, lse_a, o_b, lse_b, out, lse_out, reduction, caller="merge_state",
                 names=("o_a, lse_a", "o_b, lse_b"))

@@ -131,9 +131,16 @@ def attention_traced(q, k, v, variant, *, qo_indptr, kv_indptr, sm_scale, return
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     tensors, scalars = _split_params(variant, params)
-    out, lse = _attention(variant._op_handle, _traced_key(variant), q, k, v, qo_indptr, kv_indptr,
-                          float(sm_scale), tensors, scalars)
+    out, lse = _attention(variant._op_handle, _traced_key(variant), *_no_grad(q, k, v),
+                          qo_indptr, kv_indptr, float(sm_scale), _no_grad(*tensors), scalars)
     return (out, lse) if return_lse else out
+
+
+def _no_grad(*tensors) -> list:
+    """The ops' inputs detached: jitattn has no backward, so, as in eager mode (where
+    attention() warns), outputs do not track gradients (an input requiring grad made
+    compiling fail in torch's autograd, which names no autograd formula for the op)."""
+    return [t.detach() for t in tensors]
 
 
 # -- the planned wrappers ----------------------------------------------------------------------
@@ -187,5 +194,6 @@ def wrapper_traced(wrapper, q, inputs, params, *, num_outputs: int, extra_scalar
     extra_scalars: floats passed after the params to the wrapper's _run_eager. Raises as the
     eager run() would when params miss one of the variant's or add another."""
     tensors, scalars = _split_params(wrapper.variant, params)
-    return _wrapper_run(wrapper._handle, _traced_key(wrapper), q, list(inputs), tensors,
-                        list(scalars) + [float(x) for x in extra_scalars], num_outputs)
+    return _wrapper_run(wrapper._handle, _traced_key(wrapper), q.detach(), _no_grad(*inputs),
+                        _no_grad(*tensors), list(scalars) + [float(x) for x in extra_scalars],
+                        num_outputs)

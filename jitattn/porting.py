@@ -54,6 +54,20 @@ CALL_KEYWORDS_ELSEWHERE = {
     "dropout_p": "not taken: jitattn is inference only",
     "sm_scale": "plan()'s for a planned wrapper (plan(..., sm_scale=))",
     "q_scale": "not taken: fold q's scale into sm_scale",
+    "pos_encoding_mode": _FLASHINFER_PLAN["pos_encoding_mode"],
+    "kv_layout": "the batch wrappers' (BatchPrefill(variant, kv_layout=...)); attention() "
+                 "takes k and v as [total_kv, num_kv_heads, head_dim]",
+    "cu_seqlens_q": "qo_indptr= here ([batch_size + 1] int32 offsets of each request's rows)",
+    "cu_seqlens_k": "kv_indptr= here ([batch_size + 1] int32 offsets of each request's rows)",
+    "max_seqlen_q": "not needed: read from qo_indptr",
+    "max_seqlen_k": "not needed: read from kv_indptr",
+    "softmax_scale": "sm_scale= here",
+    "softcap": _FLASHINFER_PLAN["logits_soft_cap"],
+    "window_size": "the Variant's window_left (flash-attn's window_size=(left, -1) is "
+                   "Variant(..., window_left=left))",
+    "alibi_slopes": "the Variant's score_mod (README: a captured slopes tensor)",
+    "return_softmax_lse": "return_lse= here",
+    "return_attn_probs": "not taken: jitattn returns out and, with return_lse=True, lse",
 }
 
 

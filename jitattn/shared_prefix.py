@@ -36,13 +36,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import operator
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from . import launch, ops, tune
 from .args import bool_arg, int_arg, not_a_variant, over_capacity, planner, reject_run_kwargs, \
-    resolve_device
+    resolve_device, warn_no_grad
 from .batch import CAPACITY_MINIMUMS, CAPACITY_NAMES, BatchPrefill
 from .merge import merge_state_in_place
 from .plan import check_seq_lens
@@ -139,6 +140,8 @@ class SharedPrefixPrefill:
         for name in CAPACITY_NAMES:
             if name in capacities:
                 capacities[name] = int_arg(name, capacities[name], CAPACITY_MINIMUMS[name])
+        if "split_kv" in capacities:  # (checked here, as BatchPrefill's constructor does)
+            capacities["split_kv"] = bool_arg("split_kv", capacities["split_kv"])
         if capacities.get("query_tile", "auto") not in QUERY_TILES:
             raise ValueError(f"query_tile={capacities['query_tile']!r}: expected one of "
                              f"{QUERY_TILES}")
@@ -227,13 +230,16 @@ class SharedPrefixPrefill:
         entry of suffix_lens is not an int (bool included), ValueError when prefix_len < 0 or a
         suffix has no token."""
         try:
+            if isinstance(suffix_lens, (set, frozenset, Mapping)):  # (the layout is ordered)
+                raise TypeError
             given = list(suffix_lens)
-            if any(isinstance(s, bool) for s in given):
+            if any(isinstance(s, (bool, np.bool_)) or
+                   (isinstance(s, torch.Tensor) and s.dtype == torch.bool) for s in given):
                 raise TypeError
             suffix_lens = [operator.index(s) for s in given]
         except TypeError:
-            raise TypeError(f"suffix_lens={suffix_lens!r}: expected a sequence of ints") \
-                from None
+            raise TypeError(f"suffix_lens={suffix_lens!r}: expected a sequence of ints, in the "
+                            f"order of the suffixes in q, k and v") from None
         prefix_len = int_arg("prefix_len", prefix_len, minimum=0)
         if not suffix_lens or min(suffix_lens) < 1:
             raise ValueError(f"suffix_lens={suffix_lens}: expected at least one request, each "
@@ -373,6 +379,12 @@ class SharedPrefixPrefill:
                 if t.dtype != dtype:
                     raise TypeError(f"{name} has dtype {t.dtype}; the plan was made for {dtype} "
                                     f"(plan(..., q_dtype=) sets it)")
+        for name, t in (("q", q), ("k", k), ("v", v)):  # (else a strategy's inner call
+            #                                                 names k_cache)
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}; the wrapper was built for "
+                                 f"{self.device}")
+        q, k, v = warn_no_grad("SharedPrefixPrefill.run", q, k, v)
         for name, t in (("k", k), ("v", v)):  # (else a strategy's inner call names k_cache, in
             #                                     its own layout's strides)
             if not kv_strides_fit(t):

@@ -149,6 +149,11 @@ class RoPE:
         return inv
 
 
+# a function given positionally (Variant(f), Variant("name", f)): where the mods go
+_MOD_HINT = (" (the positional arguments are name, then mask: pass a function as score_mod= "
+             "or mask_mod=)")
+
+
 @dataclass(frozen=True, eq=False)
 class Variant:
     """An attention variant: what the attention computes (dtypes and shapes come at call time).
@@ -168,7 +173,8 @@ class Variant:
         row's states NaN too).
     mask_mod: ``f(b, h, q_idx, kv_idx) -> bool``; False hides the key (ANDed with mask/window).
         Given without ``mask``, it is ANDed with the default causal mask and a UserWarning
-        says so (FlexAttention's mask_mod alone is ``mask="none"`` here).
+        says so (FlexAttention's mask_mod alone is ``mask="none"`` here); so is a score_mod
+        given without ``mask``.
     pos_encoding: :class:`RoPE` applied to q and k on load, or None.
     reduction: ``"softmax"``, or ``"sigmoid"``: out = sum_j sigmoid(s_j) v_j, unnormalised;
         lse then reports log(sum_j sigmoid(s_j)), and partial states merge by addition. The
@@ -199,17 +205,26 @@ class Variant:
                 "variant")
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise SpecError(f"Variant name={self.name!r}: expected [A-Za-z0-9][A-Za-z0-9_.-]*, "
-                            f"at most 64 characters")
+                            f"at most 64 characters" + _MOD_HINT * callable(self.name))
         if self.mask is None:
-            if self.mask_mod is not None:  # (a FlexAttention mask_mod means no other mask)
+            # (FlexAttention's mods alone mean no other mask: a port that keeps jitattn's
+            # default would silently hide the keys after the diagonal)
+            if self.mask_mod is not None:
                 warnings.warn(
                     f"Variant {self.name!r}: mask_mod is ANDed with the default mask='causal'; "
                     f"pass mask='causal' to keep that (and silence this warning), or "
                     f"mask='none' for the mask_mod alone, as in FlexAttention", UserWarning,
                     stacklevel=3)
+            elif self.score_mod is not None:
+                warnings.warn(
+                    f"Variant {self.name!r}: score_mod without mask= is causal (jitattn's "
+                    f"default); pass mask='causal' to keep that (and silence this warning), "
+                    f"or mask='none' to see every key, as FlexAttention's score_mod alone "
+                    f"does", UserWarning, stacklevel=3)
             object.__setattr__(self, "mask", "causal")
         if self.mask not in MASKS:
-            raise SpecError(f"Variant mask={self.mask!r}: expected one of {MASKS}")
+            raise SpecError(f"Variant mask={self.mask!r}: expected one of {MASKS}" +
+                            _MOD_HINT * callable(self.mask))
         if self.reduction not in REDUCTIONS:
             raise SpecError(f"Variant reduction={self.reduction!r}: expected one of {REDUCTIONS}")
         w = self.window_left
@@ -312,7 +327,9 @@ class Variant:
                 close = difflib.get_close_matches(name, _CALL_KEYWORDS + tuple(expected), n=1)
                 hint += f"; did you mean {close[0]}=?" if close else ""
             raise ValueError(f"unexpected parameter(s) {sorted(extra)} for variant "
-                             f"{self.name!r}; it takes {sorted(expected) or 'none'}{hint}")
+                             f"{self.name!r} (a keyword the call does not take is read as the "
+                             f"variant's runtime parameter); it takes "
+                             f"{sorted(expected) or 'none'}{hint}")
         if missing:
             raise ValueError(f"missing parameter(s) {sorted(missing)} for variant "
                              f"{self.name!r}; it takes {sorted(expected)}")

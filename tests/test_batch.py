@@ -104,7 +104,7 @@ def test_a_plan_that_raises_leaves_no_plan():
 
 
 def test_one_cache_tensor_and_replanning():
-    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    variant = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     w = ja.BatchPrefill(variant, page_size=4, device="cpu")
     for seed, (qo_lens, kv_lens) in enumerate((([3, 7], [10, 7]), ([1, 1, 20], [50, 2, 25]))):
         (k, v), kv_indptr, kv_indices, last = make_paged(kv_lens, 4, 64, 4, "NHD",
@@ -321,7 +321,7 @@ def test_mask_arguments_are_checked():
 
 
 def test_ragged_kv_prefill_matches_reference(keep_splits):
-    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    variant = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     qo_lens, kv_lens = [3, 0, 50, 1], [9, 4, 50, 2000]
     q, k, v, qo_indptr, kv_indptr = make_batch(qo_lens, kv_lens, 8, 2, 128, torch.float16,
                                                "cpu", seed=41)

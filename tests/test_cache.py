@@ -19,7 +19,7 @@ from jitattn.cache import Cache
 
 from helpers import check, make_batch
 
-VARIANT = ja.Variant("cachetest", score_mod=ja.soft_cap(20.0))
+VARIANT = ja.Variant("cachetest", mask="causal", score_mod=ja.soft_cap(20.0))
 
 
 def _src(variant=VARIANT):
@@ -53,7 +53,8 @@ def test_root_is_private_and_second_lookup_hits(fresh_cache):
 
 def test_key_changes_with_the_source(fresh_cache):
     a = jit.cache_key(_src(), None)
-    b = jit.cache_key(_src(ja.Variant("cachetest", score_mod=ja.soft_cap(21.0))), None)
+    b = jit.cache_key(_src(ja.Variant("cachetest", mask="causal",
+                                      score_mod=ja.soft_cap(21.0))), None)
     c = jit.cache_key(render.render_cpu(VARIANT, head_dim=128), None)
     assert len({a, b, c}) == 3
 
@@ -302,7 +303,7 @@ def test_a_read_only_root_serves_its_kernels(fresh_cache, monkeypatch, capsys):
     assert cache.read_only == fresh_cache and cache.root != fresh_cache
     assert "read-only" in cache.fallback_reason
     assert jit.compile_cached(_src(), None) == (built, False)
-    other = _src(ja.Variant("cachetest", score_mod=ja.soft_cap(33.0)))
+    other = _src(ja.Variant("cachetest", mask="causal", score_mod=ja.soft_cap(33.0)))
     path, was_built = jit.compile_cached(other, None)
     assert was_built and fresh_cache not in path.parents
     assert cli.main(["cache", "clear"]) == 1
@@ -424,7 +425,8 @@ def test_a_folder_in_place_of_a_lock_builds_privately_and_clear_leaves_it(fresh_
     assert built and fresh_cache not in path.parents
     assert f"the build lock {fresh_cache / key}.lock cannot be used" in caplog.text
     _run_variant()
-    other = render.render_cpu(ja.Variant("cachetest", score_mod=ja.soft_cap(19.0)), head_dim=64)
+    other = render.render_cpu(ja.Variant("cachetest", mask="causal",
+                                         score_mod=ja.soft_cap(19.0)), head_dim=64)
     jit.compile_cached(other, None)  # an entry in the root, beside the stuck one's lock
     (fresh_cache / key).mkdir()  # and the stuck key's entry there too
     assert cli.main(["cache", "clear"]) == 0
@@ -510,7 +512,7 @@ def test_a_relative_cache_dir_stays_where_it_was_first_read(tmp_path, monkeypatc
 def test_a_variant_named_failed_is_an_entry(fresh_cache):
     """Failed builds are kept as failed-<key> folders without meta.json; a variant whose name
     begins with "failed-" is an entry all the same (ls hid it, clear did not count it)."""
-    src = _src(ja.Variant("failed-x", score_mod=ja.soft_cap(20.0)))
+    src = _src(ja.Variant("failed-x", mask="causal", score_mod=ja.soft_cap(20.0)))
     path, _ = jit.compile_cached(src, None)
     kept = fresh_cache / f"failed-{jit.cache_key(_src(), None)}"
     kept.mkdir()

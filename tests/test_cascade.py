@@ -35,7 +35,7 @@ def test_cascade_decode_equals_plain_decode():
     """Parallel sampling: 6 continuations of one 150-token prompt, each with its own history."""
     gen = torch.Generator().manual_seed(0)
     page_size, hq, hkv, d = 16, 8, 2, 64
-    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    variant = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     prompt_pages, prompt_last = _pages(gen, 144, page_size, 0)   # 9 full pages, shared
     unique = [5, 1, 17, 40, 2, 16]
     next_page, uniq_ids, uniq_last = len(prompt_pages), [], []
@@ -196,7 +196,7 @@ def test_auto_takes_plain_decode_when_the_prefix_is_short():
     extra launches; both choices give the same attention."""
     gen = torch.Generator().manual_seed(4)
     page_size, hq, hkv, d = 4, 8, 2, 64
-    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    variant = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     cache = tuple(torch.randn(30, page_size, hkv, d, generator=gen).half() for _ in range(2))
     q = torch.randn(3, hq, d, generator=gen).half()
     i32 = dict(dtype=torch.int32)
@@ -557,3 +557,21 @@ def test_q_rows_are_copied_at_plan():
     before = m.run(q, cache)
     rows[0] = 7
     assert torch.equal(m.run(q, cache), before)
+
+
+def test_run_names_the_q_the_caller_passed():
+    """A level covering some rows of q named its slice of q in the error ((2, 2, 64) for a
+    caller's (3, 2, 64)): run() checks q's heads, head_dim and dtype itself."""
+    i32 = dict(dtype=torch.int32)
+
+    def t(*x):
+        return torch.tensor(list(x), **i32)
+    cache = tuple(torch.randn(4, 4, 2, 64).half() for _ in range(2))
+    lv = ja.MultiLevelCascade(ja.Variant("c", mask="causal"), 2, page_size=4, device="cpu")
+    lv.plan([t(0, 2), t(0, 1, 2, 3)], [t(0, 1), t(0, 1, 2, 3)], [t(0), t(1, 2, 3)],
+            [t(4), t(4, 4, 4)], 4, 2, 64, q_rows=[[2, 0], None])
+    with pytest.raises(ValueError, match=r"q is \(3, 2, 64\) torch.float16; the plan expects "
+                                         r"\[total_q, 4, 64\] torch.float16"):
+        lv.run(torch.randn(3, 2, 64).half(), cache)
+    with pytest.raises(TypeError, match=r"q is \(3, 4, 64\) torch.float32"):
+        lv.run(torch.randn(3, 4, 64), cache)

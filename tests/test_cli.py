@@ -79,7 +79,8 @@ def test_compile_names_a_make_it_cannot_call(tmp_path, capsys):
     """make() with a required (keyword-only) argument and no example(): an error, exit 2."""
     path = tmp_path / "needs_table.py"
     path.write_text("import jitattn as ja\n\n\ndef make(*, table):\n"
-                    "    return ja.Variant('t', score_mod=lambda s, b, h, q, k: s + table[h])\n")
+                    "    return ja.Variant('t', mask='causal',\n"
+                    "                      score_mod=lambda s, b, h, q, k: s + table[h])\n")
     assert cli.main(["compile", str(path), "--cpu"]) == 2
     assert "make() takes arguments (table) and the file has no example()" in \
         capsys.readouterr().err

@@ -31,7 +31,7 @@ def test_fullgraph_compile_matches_eager():
 
     def mod(score, b, h, q_idx, kv_idx):
         return cap * ja.tanh(score / cap) + slopes_p[h] * (kv_idx - q_idx)
-    variant = ja.Variant("compiled", score_mod=mod)
+    variant = ja.Variant("compiled", mask="causal", score_mod=mod)
     torch.manual_seed(0)
     model = TinyAttention(variant)
     x = torch.randn(23, 32, dtype=torch.float16)
@@ -75,7 +75,8 @@ def test_planned_wrappers_compile_fullgraph_and_follow_new_plans():
     shapes)."""
     i32 = dict(dtype=torch.int32)
     cap = ja.scalar("cap")
-    variant = ja.Variant("softcap_runtime", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
+    variant = ja.Variant("softcap_runtime", mask="causal",
+                         score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
     decode = ja.BatchDecode(variant, page_size=4, device="cpu")
     shared = ja.SharedPrefixPrefill(ja.Variant("causal_sp", mask="causal"), device="cpu")
     gen = torch.Generator().manual_seed(0)
@@ -293,6 +294,24 @@ def test_a_captured_parameter_that_requires_grad_compiles_for_inference():
     eager = attend(q, k, v)
     torch._dynamo.reset()
     compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_inputs_that_require_grad_compile_as_in_eager_mode():
+    """q requiring grad under torch.compile: compiling failed inside torch's autograd (no
+    formula for jitattn's op); now, as eagerly, the output does not track gradients."""
+    variant = ja.Variant("plain", mask="causal")
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(n, h, 64, generator=gen).half() for n, h in ((9, 4), (13, 2), (13, 2)))
+    q.requires_grad_()
+
+    def attend(q, k, v):
+        return ja.attention(q * 1.0, k, v, variant).float().sum()
+    with pytest.warns(UserWarning, match="no backward"):
+        eager = attend(q, k, v)
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v)
+    assert not compiled.requires_grad and not eager.requires_grad
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 

@@ -98,7 +98,8 @@ def test_score_mod_returning_minus_inf_masks_like_flexattention():
     out, lse = check(variant, {}, q, k, v)
     # row 0 sees key 0 only; every row has a visible even key: all finite
     assert torch.isfinite(lse).all()
-    all_masked = ja.Variant("all_neg_inf", score_mod=lambda s, b, h, qi, ki: s * 0 - math.inf)
+    all_masked = ja.Variant("all_neg_inf", mask="causal",
+                            score_mod=lambda s, b, h, qi, ki: s * 0 - math.inf)
     out, lse = ja.attention(q, k, v, all_masked, return_lse=True)
     assert (out == 0).all() and (lse == -math.inf).all()
 
@@ -140,11 +141,11 @@ def test_strided_indptr_view_is_read_correctly():
 
 
 def test_cache_key_ignores_where_the_mod_is_written():
-    first = ja.Variant("where", score_mod=lambda s, b, h, qi, ki: s * 0.5)
+    first = ja.Variant("where", mask="causal", score_mod=lambda s, b, h, qi, ki: s * 0.5)
 
     def elsewhere(s, b, h, qi, ki):
         return s * 0.5
-    second = ja.Variant("where", score_mod=elsewhere)
+    second = ja.Variant("where", mask="causal", score_mod=elsewhere)
     from jitattn import render
     assert render.render_cpu(first, head_dim=64).code == \
         render.render_cpu(second, head_dim=64).code
@@ -154,7 +155,7 @@ def test_repeated_calls_take_each_calls_tensors():
     """ja.attention keeps a single request's launch by variant, shapes, dtype and device
     (launch.Launcher); a later call of the same shapes reads its own tensors, strides and
     parameters (a launch that kept the first call's arguments fails here)."""
-    variant = ja.Variant("cap_param", score_mod=ja.soft_cap(ja.scalar("cap")))
+    variant = ja.Variant("cap_param", mask="causal", score_mod=ja.soft_cap(ja.scalar("cap")))
     gen = torch.Generator().manual_seed(21)
     q1, q2 = (torch.randn(37, 8, 64, generator=gen).half() for _ in range(2))
     k1, v1 = (torch.randn(50, 2, 64, generator=gen).half() for _ in range(2))

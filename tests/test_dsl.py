@@ -141,7 +141,7 @@ def test_bad_param_declarations():
 def test_same_name_for_two_params_is_rejected():
     a, b2 = ja.tensor("x", (4,), "float32"), ja.tensor("x", (8,), "float32")
     with pytest.raises(SpecError, match="two different"):
-        ja.Variant("clash", score_mod=lambda s, b, h, q, k: s + a[h] + b2[h])
+        ja.Variant("clash", mask="causal", score_mod=lambda s, b, h, q, k: s + a[h] + b2[h])
 
 
 def test_a_name_taken_by_a_tensor_size_is_rejected():
@@ -150,7 +150,7 @@ def test_a_name_taken_by_a_tensor_size_is_rejected():
     x, x_d0 = ja.tensor("x", ("num_qo_heads",)), ja.scalar("x_d0")
     with pytest.raises(SpecError, match="parameter name 'x_d0' is taken by the size of "
                                         "dimension 0 of tensor 'x'"):
-        ja.Variant("taken", score_mod=lambda s, b, h, q, k: s + x[h] + x_d0)
+        ja.Variant("taken", mask="causal", score_mod=lambda s, b, h, q, k: s + x[h] + x_d0)
 
 
 def test_errors_name_the_function_and_its_arguments():
@@ -253,8 +253,8 @@ def test_alibi_positions_are_32_bit():
 
 def test_tanh_approx_is_its_own_op_and_exact_on_the_cpu():
     """approx=True changes the kernel (a different key) but not the reference's semantics."""
-    exact = ja.Variant("c", score_mod=ja.soft_cap(20.0))
-    approx = ja.Variant("c", score_mod=ja.soft_cap(20.0, approx=True))
+    exact = ja.Variant("c", mask="causal", score_mod=ja.soft_cap(20.0))
+    approx = ja.Variant("c", mask="causal", score_mod=ja.soft_cap(20.0, approx=True))
     assert exact.key != approx.key and "ja_tanh_approx" in approx.score.cpp
     q, k, v = (torch.randn(9, 2, 64, dtype=torch.float16) for _ in range(3))
     torch.testing.assert_close(ja.attention(q, k, v, approx), ja.attention(q, k, v, exact))
@@ -274,14 +274,14 @@ def test_deep_expressions_are_a_spec_error():
                 s = s + bias[(kv_idx + i) % 64]
             return s
         return score_mod
-    variant = ja.Variant("chain", score_mod=chain(tracing.MAX_DEPTH - 5))
+    variant = ja.Variant("chain", mask="causal", score_mod=chain(tracing.MAX_DEPTH - 5))
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(n, 2, 64, generator=gen).half() for n in (3, 5, 5))
     torch.testing.assert_close(ja.attention(q, k, k, variant),
                                reference.attention(q, k, k, variant).half(), atol=2e-3, rtol=2e-3)
     for n in (tracing.MAX_DEPTH + 1, 600):
         with pytest.raises(SpecError, match=f"at most {tracing.MAX_DEPTH} deep"):
-            ja.Variant("chain", score_mod=chain(n))
+            ja.Variant("chain", mask="causal", score_mod=chain(n))
 
     def doubled(n):  # s + s, n times: n + 1 deep, 2**(n + 1) - 1 operations written out
         def score_mod(s, b, h, q_idx, kv_idx):
@@ -289,10 +289,10 @@ def test_deep_expressions_are_a_spec_error():
                 s = s + s
             return s
         return score_mod
-    ja.Variant("doubled", score_mod=doubled(12))
+    ja.Variant("doubled", mask="causal", score_mod=doubled(12))
     with pytest.raises(SpecError, match=r"15 operations deep and has 32767 .* "
                                         r"10000 in all"):
-        ja.Variant("doubled", score_mod=doubled(14))
+        ja.Variant("doubled", mask="causal", score_mod=doubled(14))
 
 
 def test_minimum_and_maximum_carry_nan_as_torch_does():
@@ -340,9 +340,10 @@ def test_variants_traced_in_two_threads_capture_their_own_tensors():
 
     def build_b():
         a_started.wait(10)
-        built["B"] = ja.Variant("B", score_mod=mod_b)
+        built["B"] = ja.Variant("B", mask="causal", score_mod=mod_b)
         b_done.set()
-    threads = [threading.Thread(target=lambda: built.update(A=ja.Variant("A", score_mod=mod_a))),
+    threads = [threading.Thread(target=lambda: built.update(A=ja.Variant("A", mask="causal",
+                                                                         score_mod=mod_a))),
                threading.Thread(target=build_b)]
     for t in threads:
         t.start()
@@ -380,7 +381,7 @@ def test_numpy_scalars_on_either_side_and_bool_flags():
              (lambda s, b, h, q, k: s + np.int64(3) * (k - q),
               lambda s, b, h, q, k: s + 3 * (k - q))]
     for with_numpy, plain in pairs:
-        got, want = (emit.emit_cpp(ja.Variant("v", score_mod=f).score.expr)
+        got, want = (emit.emit_cpp(ja.Variant("v", mask="causal", score_mod=f).score.expr)
                      for f in (with_numpy, plain))
         assert got == want
     mask = ja.Variant("m", mask="none", mask_mod=lambda b, h, q, k: np.int64(5) > k)
@@ -388,11 +389,11 @@ def test_numpy_scalars_on_either_side_and_bool_flags():
     for bad, text in ((lambda s, b, h, q, k: np.tanh(s), "numpy's tanh cannot be traced"),
                       (lambda s, b, h, q, k: np.ones(3) * s, "numpy's multiply cannot be")):
         with pytest.raises(ja.SpecError, match=text):
-            ja.Variant("bad", score_mod=bad)
+            ja.Variant("bad", mask="causal", score_mod=bad)
     with pytest.raises(ja.SpecError, match=r"soft_cap: approx='False': expected True or False"):
         ja.soft_cap(30.0, approx="False")
     with pytest.raises(ja.SpecError, match=r"tanh: approx=0\.0: expected True or False"):
-        ja.Variant("t", score_mod=lambda s, b, h, q, k: ja.tanh(s, approx=0.0))
+        ja.Variant("t", mask="causal", score_mod=lambda s, b, h, q, k: ja.tanh(s, approx=0.0))
     with pytest.raises(ja.SpecError, match=r"soft_cap: cap=True must be finite and > 0"):
         ja.soft_cap(True)
 

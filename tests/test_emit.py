@@ -196,10 +196,11 @@ _NOT_LINEAR = {
 
 def test_kv_linear_finds_biases_linear_in_the_key_and_nothing_else():
     for name, (fn, sign) in _LINEAR.items():
-        lin = emit.kv_linear(ja.Variant(name, score_mod=fn).score.expr)
+        lin = emit.kv_linear(ja.Variant(name, mask="causal", score_mod=fn).score.expr)
         assert lin is not None and lin[1] == sign, name
     for name, fn in _NOT_LINEAR.items():
-        assert emit.kv_linear(ja.Variant(name, score_mod=fn).score.expr) is None, name
+        assert emit.kv_linear(ja.Variant(name, mask="causal",
+                                         score_mod=fn).score.expr) is None, name
     assert emit.kv_linear(None) is None
 
 
@@ -214,7 +215,8 @@ def test_kv_linear_form_equals_the_score_mod_in_cpp(tmp_path):
     rng = random.Random(5)
     blocks = []
     for i, (name, (fn, _)) in enumerate(_LINEAR.items()):
-        code = render.render_variant(ja.Variant(name, score_mod=fn), backend="cpu", head_dim=64)
+        code = render.render_variant(ja.Variant(name, mask="causal",
+                                                score_mod=fn), backend="cpu", head_dim=64)
         code = code.replace("struct VariantParams", f"namespace v{i} {{\nstruct VariantParams", 1)
         code = code.replace("// RoPE angular", "}\n// RoPE angular", 1)
         code = code.replace("JA_ROPE_TABLE float kRopeInvFreq", f"static const float rope{i}", 1)
@@ -275,7 +277,8 @@ def test_scaled_form_finds_soft_cap_and_nothing_else():
                             (4.0, 0.5, "ja_tanh_approx(x)")),
     }
     for name, (fn, want) in found.items():
-        score, _ = emit.divisions_as_products(ja.Variant(name, score_mod=fn).score.expr, None)
+        score, _ = emit.divisions_as_products(ja.Variant(name, mask="causal",
+                                                         score_mod=fn).score.expr, None)
         got = emit.scaled_form(score)
         assert got is not None and got[2] == want[2], name
         assert got[0] == pytest.approx(want[0], rel=1e-7) and \
@@ -292,7 +295,8 @@ def test_scaled_form_finds_soft_cap_and_nothing_else():
         "under_where": lambda s, b, h, q, k: ja.where(q >= k, 30.0 * ja.tanh(s / 30.0), s),
     }
     for name, fn in kept.items():
-        score, _ = emit.divisions_as_products(ja.Variant(name, score_mod=fn).score.expr, None)
+        score, _ = emit.divisions_as_products(ja.Variant(name, mask="causal",
+                                                         score_mod=fn).score.expr, None)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # (numpy's overflow warning for the folded 3e38)
             assert emit.scaled_form(score) is None, name

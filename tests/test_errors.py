@@ -83,7 +83,8 @@ def test_indptr_dtype():
 
 def test_missing_extra_and_misshaped_params():
     slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
-    alibi = ja.Variant("alibi", score_mod=lambda s, b, h, q, k: s + slopes[h] * (k - q))
+    alibi = ja.Variant("alibi", mask="causal",
+                       score_mod=lambda s, b, h, q, k: s + slopes[h] * (k - q))
     q, k, v = qkv()
     with pytest.raises(ValueError, match="missing parameter"):
         ja.attention(q, k, v, alibi)
@@ -100,7 +101,7 @@ def test_captured_tensor_too_small_for_its_index():
 
     def bias(s, b, h, q_idx, kv_idx):
         return s + table[h, 0]
-    v = ja.Variant("bias", score_mod=bias)
+    v = ja.Variant("bias", mask="causal", score_mod=bias)
     q, k, vv = qkv()
     assert ja.attention(q[:, :4], k, vv, v).shape == (10, 4, 64)  # 4 heads: fine
     with pytest.raises(ValueError, match="indexed by h in dimension 0"):
@@ -115,7 +116,7 @@ def test_bad_out_buffer():
 
 def test_a_captured_tensor_too_short_for_its_index_is_named_by_its_variable():
     bad = torch.randn(5)
-    variant = ja.Variant("short_table", score_mod=lambda s, b, h, q, kv: s + bad[q])
+    variant = ja.Variant("short_table", mask="causal", score_mod=lambda s, b, h, q, kv: s + bad[q])
     q = torch.randn(20, 2, 64).half()
     with pytest.raises(ValueError, match=r"tensor 'bad \(score_captured0\)' .* indexed by "
                                          r"q_idx .* reaches 19: that dimension needs 20 "
@@ -252,10 +253,10 @@ def test_hints_for_keywords_and_layouts_of_other_libraries():
     with pytest.raises(ValueError, match=r"\[batch, seq, heads, head_dim\]: q\.reshape\("):
         ja.attention(q[None], k, v, V)
     with pytest.raises(ja.SpecError, match=r"pass its result, e\.g\. score_mod=ja\.soft_cap\("):
-        ja.Variant("uncalled", score_mod=ja.soft_cap)
+        ja.Variant("uncalled", mask="causal", score_mod=ja.soft_cap)
     wide = torch.ones(8, dtype=torch.float64)
     with pytest.raises(ja.SpecError, match=r"captured tensor 'wide' of dtype torch\.float64"):
-        ja.Variant("wide", score_mod=lambda s, b, h, qi, ki: s + wide[h])
+        ja.Variant("wide", mask="causal", score_mod=lambda s, b, h, qi, ki: s + wide[h])
     i32 = dict(dtype=torch.int32)
     w = ja.BatchPrefill(V, page_size=16, device="cpu")
     with pytest.raises(TypeError, match=r"missing 1 required positional argument: 'head_dim': "
@@ -298,15 +299,45 @@ def test_a_misspelt_keyword_is_named():
     """A misspelt keyword of the call lands among the variant's parameters: say which."""
     q, k = torch.randn(2, 4, 64).half(), torch.randn(3, 2, 64).half()
     with pytest.raises(ValueError, match=r"unexpected parameter\(s\) \['retrun_lse'\] for "
-                                         r"variant 'plain'; it takes none; did you mean "
-                                         r"return_lse=\?"):
+                                         r"variant 'plain' \(a keyword the call does not take "
+                                         r"is read as the variant's runtime parameter\); it "
+                                         r"takes none; did you mean return_lse=\?"):
         ja.attention(q, k, k, ja.Variant("plain"), retrun_lse=True)
     # no hint that names the keyword itself, nor a second one after sm_scale's
-    with pytest.raises(ValueError, match=r"\['v_scale'\] for variant 'plain'; it takes none; "
+    with pytest.raises(ValueError, match=r"\['v_scale'\] for variant 'plain' .*; it takes none; "
                                          r"v_scale= is not a keyword of this call$"):
         ja.attention(q, k, k, ja.Variant("plain"), v_scale=2.0)
     with pytest.raises(ValueError, match=r"\(the softmax scale is the sm_scale= argument\)$"):
         ja.attention(q, k, k, ja.Variant("plain"), scale=0.1)
+    # flash-attn's and FlashInfer's keywords: where each lives here
+    for kwargs, match in ((dict(kv_layout="NHD"), "kv_layout= is the batch wrappers'"),
+                          (dict(cu_seqlens_q=None), "cu_seqlens_q= is qo_indptr= here"),
+                          (dict(softmax_scale=0.1), "softmax_scale= is sm_scale= here"),
+                          (dict(window_size=(4, -1)), "window_size= is the Variant's "
+                                                      "window_left")):
+        with pytest.raises(ValueError, match=match):
+            ja.attention(q, k, k, ja.Variant("plain"), **kwargs)
+
+
+def test_a_function_where_a_variant_goes_gets_a_hint():
+    """FlexAttention's score_mod / mask_mod passed where jitattn takes a Variant (or as
+    Variant's positional name or mask): each error says where the function goes."""
+    q, k = torch.randn(2, 4, 64).half(), torch.randn(3, 2, 64).half()
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20.0 * ja.tanh(score / 20.0)
+    where = r"jitattn.Variant\(score_mod=f, mask='none'\)"
+    with pytest.raises(TypeError, match=r"variant must be a jitattn.Variant, got function .*"
+                                        + where):
+        ja.attention(q, k, k, softcap)
+    with pytest.raises(TypeError, match=r"attention\(\) takes a Variant.*" + where):
+        ja.attention(q, k, k, score_mod=softcap)
+    with pytest.raises(TypeError, match="variant must be a jitattn.Variant, got function"):
+        ja.BatchPrefill(softcap, device="cpu")
+    for args in ((softcap,), ("softcap", softcap)):
+        with pytest.raises(ja.SpecError, match=r"the positional arguments are name, then mask: "
+                                               r"pass a function as score_mod= or mask_mod="):
+            ja.Variant(*args)
 
 
 def test_flags_must_be_bools():
@@ -326,7 +357,7 @@ def test_flags_must_be_bools():
     assert len(w.run(q[:1], cache, return_lse=np.bool_(True))) == 2
     with pytest.raises(ja.SpecError, match=r"returned something other than an expression: "
                                            r"cannot use NoneType"):
-        ja.Variant("none", score_mod=lambda s, b, h, q_idx, kv_idx: None)
+        ja.Variant("none", mask="causal", score_mod=lambda s, b, h, q_idx, kv_idx: None)
 
 
 def test_numpy_numbers_are_numbers_and_counts_are_checked_up_front():
@@ -623,3 +654,28 @@ def test_more_flashinfer_plan_keywords_get_hints():
                          (dict(head_dim_qk=64), "head_dim_qk= is head_dim= here")):
         with pytest.raises(TypeError, match=text):
             decode.plan(*args, **kwargs)
+
+
+def test_every_entry_point_warns_that_outputs_do_not_track_gradients():
+    """attention() warned that it has no backward; the wrappers' run() and merge_state
+    returned outputs without gradients in silence."""
+    i32 = dict(dtype=torch.int32)
+    variant = ja.Variant("plain", mask="causal")
+    q = torch.randn(3, 4, 64).half().requires_grad_()
+    cache = tuple(torch.randn(2, 16, 2, 64).half() for _ in range(2))
+    w = ja.BatchPrefill(variant, page_size=16, device="cpu")
+    w.plan(torch.tensor([0, 3], **i32), torch.tensor([0, 1], **i32), torch.tensor([0], **i32),
+           torch.tensor([5], **i32), 4, 2, 64)
+    sp = ja.SharedPrefixPrefill(variant, "ragged", device="cpu")
+    sp.plan(2, [1], 4, 2, 64)
+    kv = torch.randn(3, 2, 64).half()
+    o, lse = torch.randn(3, 4, 64), torch.randn(3, 4)
+    for call, fn in (("BatchPrefill.run", lambda: w.run(q, cache)),
+                     ("SharedPrefixPrefill.run", lambda: sp.run(q, kv, kv)),
+                     ("merge_state", lambda: ja.merge_state(o.requires_grad_(), lse, o, lse))):
+        with pytest.warns(UserWarning, match=f"{call} has no backward"):
+            fn()
+    import warnings
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # (without grad: nothing to say)
+        w.run(q, cache)

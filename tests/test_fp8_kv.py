@@ -95,7 +95,8 @@ def test_scales_belong_to_the_batch_wrappers_and_compile_checks_parameters():
     with pytest.raises(ValueError, match="takes no v_scale"):
         shared.run(*(torch.zeros(1, 4, 64, dtype=torch.float16),) * 3, v_scale=2.0)
     cap = ja.scalar("cap")
-    variant = ja.Variant("fp8_cap_runtime", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
+    variant = ja.Variant("fp8_cap_runtime", mask="causal",
+                         score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
     kv_cache, kv_indptr, kv_indices, last = make_paged([20, 7], 2, 64, 16, "NHD",
                                                        torch.float16, "cpu", seed=16)
     w = ja.BatchDecode(variant, page_size=16, device="cpu")

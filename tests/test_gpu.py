@@ -95,7 +95,7 @@ def test_int64_arithmetic_wraps_on_the_gpu():
 
 
 def test_long_sequence_and_repeatability():
-    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    variant = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     q, k, v, _, _ = make_batch([3000], [4097], 16, 4, 128, torch.float16, "cuda", seed=11)
     out, _ = check(variant, {}, q, k, v)
     for _ in range(3):

@@ -84,7 +84,7 @@ def test_linear_partition_schedule_matches_reference(kind, monkeypatch):
 
 
 def test_deterministic_over_runs():
-    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    variant = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     kv_lens = [9000, 100, 3000, 1]
     cache, kv_indptr, kv_indices, last = make_paged(kv_lens, 8, 128, 16, "NHD", torch.float16,
                                                     "cuda", seed=3)
@@ -98,7 +98,7 @@ def test_deterministic_over_runs():
 
 
 def test_cuda_graph_replays_across_plans():
-    variant = ja.Variant("alibi_like", score_mod=ja.soft_cap(20.0))
+    variant = ja.Variant("alibi_like", mask="causal", score_mod=ja.soft_cap(20.0))
     batch, hq, hkv, head_dim, page_size = 8, 32, 8, 128, 16
     gen = torch.Generator().manual_seed(0)
     lengths = [torch.randint(1, 3000, (batch,), generator=gen).tolist() for _ in range(5)]
@@ -205,7 +205,7 @@ def test_custom_and_multi_item_masks_gpu(dtype, query_tile):
 def test_gqa_groups_above_16_gpu():
     """32 query heads on one KV head: one query per request stays on the decode kernel (two
     16-row tiles per request), three run on the prefill kernel, and forced 16-row tiles agree."""
-    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    variant = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     for qo_lens, kv_lens in (([1, 1, 1], [900, 1, 40]), ([3, 1, 0], [900, 17, 40])):
         q, k, v, qo_indptr, kv_indptr = make_batch(qo_lens, kv_lens, 32, 1, 128,
                                                    torch.float16, "cuda", seed=43)
@@ -221,7 +221,7 @@ def test_gqa_groups_above_16_gpu():
 
 
 def test_ragged_kv_prefill_gpu():
-    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    variant = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     qo_lens, kv_lens = [3, 0, 50, 1, 200], [9, 4, 50, 7000, 333]
     q, k, v, qo_indptr, kv_indptr = make_batch(qo_lens, kv_lens, 32, 8, 128, torch.bfloat16,
                                                "cuda", seed=41)
@@ -258,7 +258,7 @@ def test_tma_copy_equals_the_cp_async_copy(dtype, head_dim, monkeypatch):
     for box_rows in (128, 192):  # the K/V tiles of the two variants below
         assert launch.tma_values(k, v, False, box_rows)[0] == 1
     for variant in (ja.Variant("causal", mask="causal"),
-                    ja.Variant("softcap", score_mod=ja.soft_cap(30.0))):
+                    ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))):
         check(variant, {}, q, k, v, qo_indptr, kv_indptr)
         out, lse = ja.attention(q, k, v, variant, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
                                 return_lse=True)
@@ -272,7 +272,7 @@ def test_tma_copy_equals_the_cp_async_copy(dtype, head_dim, monkeypatch):
 def test_batch_decode_under_inductor_fullgraph():
     """BatchDecode.run inside torch.compile(fullgraph=True) (inductor) on the GPU: one op on
     the wrapper, the same output as eager, across two plans."""
-    variant = ja.Variant("compiled_decode", score_mod=ja.soft_cap(20.0))
+    variant = ja.Variant("compiled_decode", mask="causal", score_mod=ja.soft_cap(20.0))
     d = ja.BatchDecode(variant, page_size=16)
     gen = torch.Generator().manual_seed(4)
     cache = tuple(torch.randn(64, 16, 8, 128, generator=gen).half().cuda() for _ in range(2))
@@ -294,7 +294,7 @@ def test_reduce_overhead_compile_replays_cuda_graphs_across_plans():
     (the op reads the wrapper's current plan on the device)."""
     from torch._dynamo.utils import counters
     counters.clear()
-    variant = ja.Variant("ro_decode", score_mod=ja.soft_cap(20.0))
+    variant = ja.Variant("ro_decode", mask="causal", score_mod=ja.soft_cap(20.0))
     d = ja.BatchDecode(variant, page_size=16)
     gen = torch.Generator().manual_seed(4)
     cache = tuple(torch.randn(64, 16, 8, 128, generator=gen).half().cuda() for _ in range(2))

@@ -22,7 +22,7 @@ def needs_cuda():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("hq, hkv", [(16, 8), (32, 8)])
 def test_strategies_equal_per_request_attention(strategy, dtype, hq, hkv):
-    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    variant = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     for prefix, suffixes in ((96, [4, 4]), (1000, [1] * 9), (333, [130, 7, 1])):
         gen = torch.Generator().manual_seed(prefix)
         n = prefix + sum(suffixes)
@@ -50,7 +50,7 @@ def test_strategies_equal_per_request_attention(strategy, dtype, hq, hkv):
 def test_cascade_decode_equals_plain_decode_gpu(dtype):
     gen = torch.Generator().manual_seed(0)
     page_size, hq, hkv, d, batch = 16, 32, 8, 128, 16
-    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    variant = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     shared = list(range(64))                          # 1024-token prefix
     unique = [list(range(64 + 8 * i, 64 + 8 * i + 8)) for i in range(batch)]  # 128 tokens each
     cache = tuple(torch.randn(64 + 8 * batch, page_size, hkv, d, generator=gen).to("cuda", dtype)

@@ -46,7 +46,8 @@ def test_cuda_launch_packs_every_argument_in_order(monkeypatch):
     monkeypatch.setattr(load, "_DRIVER", fake)
     cap = ja.scalar("cap")
     slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
-    variant = ja.Variant("packing", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap) +
+    variant = ja.Variant("packing", mask="causal",
+                         score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap) +
                          slopes[h] * (k - q))
     (k, v), kv_indptr, kv_indices, last = make_paged([10, 20], 2, 64, 16, "NHD",
                                                      torch.float16, "cpu", seed=0)

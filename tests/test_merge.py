@@ -158,3 +158,19 @@ def test_in_place_merge_rejects_overlapping_states():
         with pytest.raises(ValueError, match=text):
             ja.merge_state_in_place(*args)
     ja.merge_state_in_place(o_in, lse_tail, o[3:], lse[3:])  # o and lse side by side
+
+
+def test_pair_merges_of_head_dim_0_merge_the_lse():
+    """An empty o_b has a null address, which the merge kernel's pair mode read as no second
+    state: every lse came back -inf (merge_states was right)."""
+    gen = torch.Generator().manual_seed(3)
+    la, lb = torch.randn(4, 2, generator=gen), torch.randn(4, 2, generator=gen)
+    lb[0, 0] = la[0, 0] = float("-inf")
+    empty = torch.zeros(4, 2, 0).half()
+    want = torch.logaddexp(la, lb)
+    torch.testing.assert_close(ja.merge_state(empty, la, empty.clone(), lb)[1], want)
+    lse = la.clone()
+    ja.merge_state_in_place(empty, lse, empty.clone(), lb)
+    torch.testing.assert_close(lse, want)
+    torch.testing.assert_close(ja.merge_states(torch.stack([empty, empty]),
+                                               torch.stack([la, lb]))[1], want)

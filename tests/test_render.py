@@ -118,7 +118,7 @@ def test_nvcc_compiles_data_masks_on_the_16_row_tiles(mask):
 def test_compile_error_maps_back_to_variant_line():
     def mod(score, b, h, q_idx, kv_idx):
         return score + 1.0
-    v = ja.Variant("broken", score_mod=mod)
+    v = ja.Variant("broken", mask="causal", score_mod=mod)
     src = render.render_cuda(v, kind="prefill", dtype_tag="f16", head_dim=64)
     # inject an error into the generated hook, as a bad DSL emission would
     broken = src.code.replace("return (score + 1.0f);", "return (score + not_a_function());")
@@ -135,11 +135,13 @@ def test_divisions_by_row_invariants_become_products():
     """score / cap: a constant's reciprocal folded, a runtime scalar's (or a per-head value's)
     computed once per row; a divisor reading kv_idx stays a division, and so does 0."""
     cap = ja.scalar("cap")
-    const = render.render_variant(ja.Variant("c", score_mod=ja.soft_cap(50.0)), backend="cpu",
+    const = render.render_variant(ja.Variant("c", mask="causal",
+                                             score_mod=ja.soft_cap(50.0)), backend="cpu",
                                   head_dim=64)
     assert "score * 0.019999999552965164f" in const and "/ (float)50.0f" not in const
     runtime = render.render_variant(
-        ja.Variant("r", score_mod=lambda s, b, h, q, kv: cap * ja.tanh(s / cap) + s / (h + 2) +
+        ja.Variant("r", mask="causal",
+                   score_mod=lambda s, b, h, q, kv: cap * ja.tanh(s / cap) + s / (h + 2) +
                    s / (kv + 1.0) + s / 0.0), backend="cpu", head_dim=64)
     assert "row.r0 = ((float)1.0f / (float)p.jap_cap);" in runtime
     assert "row.r1 = ((float)1.0f / (float)ja_add(((long long)h), (2LL)));" in runtime

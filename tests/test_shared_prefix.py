@@ -38,7 +38,7 @@ CASES = [(96, [4, 4]), (37, [1]), (0, [5, 3, 9]), (50, [1, 1, 1, 1, 1, 1]), (130
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("prefix, suffixes", CASES)
 def test_every_strategy_equals_naive(strategy, prefix, suffixes):
-    variant = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    variant = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     q, k, v = _layout(prefix, suffixes, 16, 8, 128, torch.float16, seed=prefix + len(suffixes))
     sp = SharedPrefixPrefill(variant, strategy, device="cpu")
     assert sp.plan(prefix, suffixes, 16, 8, 128) == strategy
@@ -93,7 +93,7 @@ def test_position_dependent_variants_on_exact_strategies(strategy):
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
-    variant = ja.Variant("alibi_rope", score_mod=alibi, pos_encoding=ja.RoPE())
+    variant = ja.Variant("alibi_rope", mask="causal", score_mod=alibi, pos_encoding=ja.RoPE())
     prefix, suffixes = 45, [3, 17, 1]
     q, k, v = _layout(prefix, suffixes, 8, 2, 64, torch.bfloat16, seed=3)
     sp = SharedPrefixPrefill(variant, strategy, device="cpu")
@@ -151,6 +151,13 @@ def test_bad_arguments():
         sp.plan(10, [2.0], 4, 4, 64)
     with pytest.raises(TypeError, match=r"suffix_lens=\[True\]"):
         sp.plan(10, [True], 4, 4, 64)
+    # a bool tensor's entries, and unordered collections (the layout follows the order)
+    for bad in (torch.tensor([True, True]), {3: "x"}, {5, 1}):
+        with pytest.raises(TypeError, match="suffix_lens=.*: expected a sequence of ints, in "
+                                            "the order"):
+            sp.plan(10, bad, 4, 4, 64)
+    with pytest.raises(TypeError, match="split_kv='no': expected True or False"):
+        SharedPrefixPrefill(variant, device="cpu", split_kv="no")
     # "auto" computes with the head configuration before a strategy's plan checks it (a
     # string there was a TypeError from inside choose())
     for heads, text in ((("8", 2, 64), "num_qo_heads='8'"), ((8, None, 64), "num_kv_heads=None")):
@@ -186,7 +193,7 @@ def test_variants_reading_the_request_index_are_refused_where_renumbered():
 
     def per_request_temperature(score, b, h, q_idx, kv_idx):
         return score * temp[b]
-    variant = ja.Variant("temp", score_mod=per_request_temperature)
+    variant = ja.Variant("temp", mask="causal", score_mod=per_request_temperature)
     for strategy in ("split", "cascade", "multi_item", "custom_mask"):
         with pytest.raises(ValueError, match="request"):
             SharedPrefixPrefill(variant, strategy, device="cpu")
@@ -199,7 +206,8 @@ def test_variants_reading_the_request_index_are_refused_where_renumbered():
         start = prefix
         for i, n in enumerate(suffixes):  # request i with its own temperature, on its own
             idx = torch.cat([torch.arange(prefix), torch.arange(start, start + n)])
-            one = ja.Variant("temp1", score_mod=lambda s, b, h, qi, ki, t=float(temp[i]): s * t)
+            one = ja.Variant("temp1", mask="causal",
+                             score_mod=lambda s, b, h, qi, ki, t=float(temp[i]): s * t)
             o = ja.attention(q[idx], k[idx], v[idx], one)
             ref[start:start + n] = o[prefix:]
             if i == 0:

@@ -12,9 +12,9 @@ from jitattn.dsl import SpecError
 
 
 def test_key_is_stable_and_content_addressed():
-    a = ja.Variant("softcap", score_mod=ja.soft_cap(50.0))
-    b = ja.Variant("softcap", score_mod=ja.soft_cap(50.0))
-    c = ja.Variant("softcap", score_mod=ja.soft_cap(30.0))
+    a = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(50.0))
+    b = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(50.0))
+    c = ja.Variant("softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     assert a.key == b.key and a == b and hash(a) == hash(b)
     assert a.key != c.key and a.key.startswith("softcap-causal-")
     assert ja.Variant("w", window_left=4).key != ja.Variant("w", window_left=5).key
@@ -22,8 +22,8 @@ def test_key_is_stable_and_content_addressed():
 
 def test_captured_tensor_values_do_not_change_the_key():
     t1, t2 = torch.randn(4), torch.randn(4)
-    v1 = ja.Variant("cap", score_mod=lambda s, b, h, q, k: s + t1[h])
-    v2 = ja.Variant("cap", score_mod=lambda s, b, h, q, k: s + t2[h])
+    v1 = ja.Variant("cap", mask="causal", score_mod=lambda s, b, h, q, k: s + t1[h])
+    v2 = ja.Variant("cap", mask="causal", score_mod=lambda s, b, h, q, k: s + t2[h])
     assert v1.key == v2.key and v1 != v2  # same code, different bound data
 
 
@@ -94,7 +94,8 @@ def test_rope_validation_and_llama3_frequencies():
 
 def _alibi():
     slopes = ja.tensor("slopes", ("num_qo_heads",), "float32")
-    return ja.Variant("alibi", score_mod=lambda s, b, h, q, k: s + slopes[h] * (k - q))
+    return ja.Variant("alibi", mask="causal",
+                      score_mod=lambda s, b, h, q, k: s + slopes[h] * (k - q))
 
 
 SIZES = dict(batch_size=2, num_qo_heads=8, num_kv_heads=2, qo_len=5, kv_len=9)
@@ -133,7 +134,7 @@ def test_scalars_float32_cannot_hold_and_empty_tensors_are_rejected():
     """A runtime scalar must be a finite float32 (1e39 or inf became inf in the kernels and the
     output NaN); numpy numbers are numbers, a tensor is not."""
     cap = ja.scalar("cap")
-    v = ja.Variant("cap", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
+    v = ja.Variant("cap", mask="causal", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
     cpu = torch.device("cpu")
     for bad in (float("nan"), float("inf"), -1e39, 10**400, np.float64(1e39)):
         with pytest.raises(ValueError, match=r"parameter 'cap' is .*; expected a finite number "
@@ -154,12 +155,12 @@ def test_scalars_float32_cannot_hold_and_empty_tensors_are_rejected():
     # stand-in (the kernels may read a table where they hoist a query row's part); captured
     # tensors, whose sizes are fixed, may not be empty
     table = ja.tensor("table", ("kv_len",), "float32")
-    w = ja.Variant("t", score_mod=lambda s, b, h, q, k: s + table[k])
+    w = ja.Variant("t", mask="causal", score_mod=lambda s, b, h, q, k: s + table[k])
     bound = w.bind({"table": torch.ones(0)}, device=torch.device("cpu"),
                    sizes={**SIZES, "kv_len": 0})
     assert bound["table"].shape == (1,)
     empty = torch.ones(0)
-    c = ja.Variant("c", score_mod=lambda s, b, h, q, k: s + empty[k])
+    c = ja.Variant("c", mask="causal", score_mod=lambda s, b, h, q, k: s + empty[k])
     with pytest.raises(ValueError, match=r"captured tensor 'empty \(score_captured0\)' has an "
                                          r"empty dimension"):
         c.bind({}, device=torch.device("cpu"), sizes={**SIZES, "kv_len": 0})
@@ -197,14 +198,29 @@ def test_a_mask_mod_without_a_mask_warns_that_it_is_anded_with_causal():
         assert ja.Variant("plain").mask == "causal"
 
 
+def test_a_score_mod_without_a_mask_warns_that_it_is_causal():
+    """A FlexAttention score_mod alone sees every key; ported without mask= it became causal
+    in silence (3.5 off FlexAttention's output in a new user's trial)."""
+    import warnings
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20.0 * ja.tanh(score / 20.0)
+    with pytest.warns(UserWarning, match="score_mod without mask= is causal"):
+        assert ja.Variant(score_mod=softcap).mask == "causal"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ja.Variant(score_mod=softcap, mask="none").mask == "none"
+        assert ja.Variant(score_mod=softcap, mask="causal").mask == "causal"
+
+
 def test_a_variant_needs_no_name():
     """FlexAttention has no name to give: Variant() without one was a TypeError. The default is
     the mods' function names, else "variant"; variants of one name never share a kernel."""
     def document(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
     assert ja.Variant().name == "variant"
-    assert ja.Variant(score_mod=lambda s, b, h, q, k: s * 2.0).name == "variant"
+    assert ja.Variant(mask="causal", score_mod=lambda s, b, h, q, k: s * 2.0).name == "variant"
     assert ja.Variant(mask="none", score_mod=ja.soft_cap(30.0), mask_mod=document).name == \
         "softcap_document"
-    assert ja.Variant(score_mod=ja.soft_cap(30.0)).key != ja.Variant(
-        score_mod=ja.soft_cap(20.0)).key
+    assert ja.Variant(mask="causal", score_mod=ja.soft_cap(30.0)).key != ja.Variant(
+        mask="causal", score_mod=ja.soft_cap(20.0)).key
