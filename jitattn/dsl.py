@@ -231,6 +231,13 @@ class Expr:
     def logical_xor(self, o): return torch_forms.logical("^", self, o)
     def logical_not(self): return ~torch_forms.to_kind(self, "bool", "logical_not")
 
+    def __getattr__(self, name):  # torch's other tensor methods: .eq(), .mul(), .neg(), ...
+        fn = torch_forms.METHODS.get(name)
+        if fn is None:
+            raise AttributeError(f"a traced value has no method {name!r}; those that trace are "
+                                 f"{sorted(set(torch_forms.METHODS) | _OWN_METHODS)}")
+        return lambda *args, **kwargs: fn(self, *args, **kwargs)
+
     @property
     def dtype(self) -> torch.dtype:
         """The torch dtype of this kind: float32, int64 or bool."""
@@ -288,7 +295,8 @@ class Expr:
         name = getattr(func, "__name__", str(func))
         fn = torch_forms.TORCH_FUNCTIONS.get(func)
         if fn is None:
-            raise SpecError(f"torch function {name} cannot be traced; the torch functions "
+            root = {"sqrt": "; x ** 0.5 traces", "rsqrt": "; x ** -0.5 traces"}.get(name, "")
+            raise SpecError(f"torch function {name} cannot be traced{root}; the torch functions "
                             f"that trace are {sorted(torch_forms.TORCH_NAMES)}, with Python's "
                             f"operators and the ja.* functions (ja.where, ja.tanh, ...)")
         try:  # (a 0-d tensor the mod reads is a runtime scalar: temperature * score)
@@ -307,6 +315,9 @@ _NUMPY_OPERATORS = {
     np.less_equal: operator.le, np.greater: operator.gt, np.greater_equal: operator.ge,
     np.equal: operator.eq, np.not_equal: operator.ne, np.bitwise_and: operator.and_,
     np.bitwise_or: operator.or_, np.bitwise_xor: operator.xor}
+
+
+_OWN_METHODS = {n for n, f in vars(Expr).items() if callable(f) and not n.startswith("_")}
 
 
 def _scalar_tensor(x) -> bool:

@@ -162,5 +162,16 @@ TORCH_FUNCTIONS = {
     _T.__pow__: _binary_op(operator.pow), _T.__and__: _binary_op(operator.and_),
     _T.__or__: _binary_op(operator.or_), _T.__xor__: _binary_op(operator.xor),
 }
+# torch's functional forms of the operators (torch.eq(q_idx, kv_idx), torch.add(score, bias))
+TORCH_FUNCTIONS.update({getattr(torch, name): _binary_op(op) for name, op in (
+    ("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
+    ("div", operator.truediv), ("floor_divide", operator.floordiv),
+    ("remainder", operator.mod), ("pow", operator.pow), ("lt", operator.lt),
+    ("le", operator.le), ("gt", operator.gt), ("ge", operator.ge), ("eq", operator.eq),
+    ("ne", operator.ne))})
+TORCH_FUNCTIONS[torch.neg] = TORCH_FUNCTIONS[_T.neg] = operator.neg
 TORCH_NAMES = {f.__name__ for f in TORCH_FUNCTIONS  # (what the refusal lists)
                if getattr(torch, f.__name__, None) is f}
+# tensor methods a traced value takes through Expr.__getattr__ (q_idx.eq(kv_idx), s.mul(2))
+METHODS = {name: fn for name, fn in ((f.__name__, fn) for f, fn in TORCH_FUNCTIONS.items())
+           if getattr(_T, name, None) in TORCH_FUNCTIONS and not name.startswith("__")}

@@ -448,6 +448,11 @@ def test_flex_attention_mods_trace_unchanged():
         "blocks": (None, lambda b, h, q, k: ((q >> 3) == (k >> 3)) | (k << 1 < q)),
         "logical": (None, lambda b, h, q, k: torch.logical_or(
             torch.logical_and(q >= k, k % 2 == 0), torch.logical_not(k > 3))),
+        # the operators' functional and method forms
+        "functional": (lambda s, b, h, q, k: torch.add(torch.mul(s, 0.5), torch.neg(torch.sub(
+            k, q).abs().float()).mul(0.01)), lambda b, h, q, k: torch.ge(q, k) | torch.eq(k, 0)),
+        "method_forms": (lambda s, b, h, q, k: s.mul(0.5).sub(k.remainder(3).float().neg()),
+                         lambda b, h, q, k: q.ge(k).logical_or(k.floor_divide(4).eq(0))),
     }
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(27, n, 64, generator=gen).half() for n in (4, 2, 2))
@@ -480,7 +485,10 @@ def test_torch_forms_that_do_not_trace_say_what_does():
             # computed from a captured 0-d tensor while tracing: its value would never change
             (lambda s, b, h, q, k: s * (1 / temperature), r"0-d tensor \(2.0\) that the mod "
                                                             r"computed while it was traced"),
-            (lambda s, b, h, q, k: torch.sqrt(s), r"torch function sqrt cannot be traced")):
+            (lambda s, b, h, q, k: torch.sqrt(s), r"torch function sqrt cannot be traced; "
+                                                   r"x \*\* 0.5 traces"),
+            (lambda s, b, h, q, k: s + q.item(), r"a traced value has no method 'item'; those "
+                                                 r"that trace are \['abs', 'add', ")):
         with pytest.raises(SpecError, match=text):
             trace_score(fn)
     with pytest.raises(ValueError, match=r"sm_scale=tensor\(0.1250\).*t.item\(\)"):
