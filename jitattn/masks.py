@@ -14,7 +14,9 @@ from .args import over_capacity
 def host_int32(name: str, t, *, allow_empty: bool = False) -> np.ndarray:
     """A validated host copy of a 1-D int32 tensor."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(t).__name__}")
+        hint = " (None is a ragged layout's: a wrapper built with kv_layout='ragged')" \
+            if t is None and name in ("kv_indices", "kv_last_page_len") else ""
+        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(t).__name__}{hint}")
     if t.dtype != torch.int32:
         raise TypeError(f"{name} has dtype {t.dtype}; expected torch.int32 (convert with "
                         f".int(); the batch wrappers do not convert index tensors silently)")
@@ -50,9 +52,9 @@ def mask_arrays(mode: str, masks: dict, qo_lens, kv_lens, cap: dict) -> dict:
             flat = masks["custom_mask"]
             if not isinstance(flat, torch.Tensor) or flat.dtype != torch.bool or \
                     flat.dim() != 1:
-                raise TypeError("custom_mask must be a 1-D torch.bool tensor: each request's "
-                                "[qo_len, kv_len] mask flattened row-major, concatenated over "
-                                "the requests")
+                raise TypeError(f"custom_mask must be a 1-D torch.bool tensor: each request's "
+                                f"[qo_len, kv_len] mask flattened row-major, concatenated over "
+                                f"the requests; got {_described(flat)}")
             if flat.numel() != sizes.sum():
                 raise ValueError(f"custom_mask has {flat.numel()} entries; expected "
                                  f"sum(qo_len * kv_len) = {int(sizes.sum())}")
@@ -68,7 +70,8 @@ def mask_arrays(mode: str, masks: dict, qo_lens, kv_lens, cap: dict) -> dict:
             packed = masks["packed_custom_mask"]
             if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or \
                     packed.dim() != 1:
-                raise TypeError("packed_custom_mask must be a 1-D torch.uint8 tensor")
+                raise TypeError(f"packed_custom_mask must be a 1-D torch.uint8 tensor; got "
+                                f"{_described(packed)}")
             offsets = host_int32("mask_indptr", masks["mask_indptr"]).astype(np.int64)
             if len(offsets) != batch + 1 or offsets[0] != 0:
                 raise ValueError(f"mask_indptr must have {batch + 1} entries starting at 0; "
@@ -123,3 +126,9 @@ def mask_arrays(mode: str, masks: dict, qo_lens, kv_lens, cap: dict) -> dict:
                 "pos": pos}
     return {}
 
+
+def _described(x) -> str:
+    """A mask argument as its error shows it: a tensor by shape and dtype, else its type."""
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return type(x).__name__

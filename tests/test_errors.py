@@ -679,3 +679,18 @@ def test_every_entry_point_warns_that_outputs_do_not_track_gradients():
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # (without grad: nothing to say)
         w.run(q, cache)
+
+
+def test_plan_errors_show_what_they_got():
+    """A 2-D custom_mask was refused without its shape; a paged wrapper's plan() given None
+    page tables (a ragged plan's) said only NoneType."""
+    i32 = dict(dtype=torch.int32)
+    args = (torch.tensor([0, 5], **i32), torch.tensor([0, 1], **i32), torch.tensor([0], **i32),
+            torch.tensor([7], **i32), 4, 2, 64)
+    w = ja.BatchPrefill(ja.Variant("c", mask="custom"), page_size=16, device="cpu")
+    with pytest.raises(TypeError, match=r"got a tensor of shape \(5, 7\) and dtype torch.bool"):
+        w.plan(*args, custom_mask=torch.ones(5, 7, dtype=torch.bool))
+    w = ja.BatchPrefill(ja.Variant("c", mask="causal"), page_size=16, device="cpu")
+    with pytest.raises(TypeError, match=r"kv_indices must be a torch.Tensor of int32, got "
+                                        r"NoneType \(None is a ragged layout's"):
+        w.plan(args[0], torch.tensor([0, 7], **i32), None, None, 4, 2, 64)
