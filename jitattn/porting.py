@@ -71,12 +71,37 @@ CALL_KEYWORDS_ELSEWHERE = {
 }
 
 
+# what a wrapper's constructor is given that its plan() or its Variant takes
+_CTOR_ELSEWHERE = {
+    **{name: _FLASHINFER_PLAN[name] for name in ("causal", "window_left", "logits_soft_cap",
+                                                  "pos_encoding_mode")},
+    **{name: f"plan()'s (plan(..., {name}=))" for name in ("sm_scale", "q_dtype", "kv_dtype")},
+    "q_data_type": "plan()'s q_dtype=", "kv_data_type": "plan()'s kv_dtype=",
+}
+
+
+# keywords of FlexAttention's, SDPA's and FlashInfer's calls given to Variant(...): its fields
+VARIANT_KEYWORDS_ELSEWHERE = {
+    "causal": "mask='causal' (the default) or mask='none'",
+    "is_causal": "mask='causal' (the default) or mask='none'",
+    "sliding_window": "window_left= (keys with q_idx - kv_idx > window_left are hidden)",
+    "window_size": "window_left= (flash-attn's window_size=(left, -1))",
+    "logits_soft_cap": "score_mod=ja.soft_cap(cap)",
+    "softcap": "score_mod=ja.soft_cap(cap)",
+    "block_mask": "mask_mod= (the function, not a BlockMask)",
+    "scale": "the call's sm_scale= (attention(..., sm_scale=), plan(..., sm_scale=))",
+    "sm_scale": "the call's sm_scale= (attention(..., sm_scale=), plan(..., sm_scale=))",
+}
+
+
 def unexpected_keywords(owner: str, unknown, accepted) -> TypeError:
     """The TypeError for constructor keywords ``owner`` does not take, listing ``accepted`` and
     saying where FlashInfer's constructor keywords (buffers, use_cuda_graph, ...) went."""
     unknown = sorted(unknown)
     hints = [f"{name}= is {_FLASHINFER_CTOR[name]}" for name in unknown
              if name in _FLASHINFER_CTOR]
+    hints += [f"{name}= is {_CTOR_ELSEWHERE[name]}" for name in unknown
+              if name in _CTOR_ELSEWHERE]
     hints += [f"{name}= is the wrapper's own buffer, sized by the capacities (max_batch_size=, "
               f"max_num_pages=, ...)" for name in unknown if name.endswith(("_buf", "_buffer"))]
     hint = f" ({'; '.join(hints)}; README: porting from FlashInfer)" if hints else ""

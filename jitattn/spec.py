@@ -9,6 +9,8 @@ runtime data).
 from __future__ import annotations
 
 import contextvars
+import dataclasses
+import functools
 import difflib
 import hashlib
 import json
@@ -27,7 +29,7 @@ from . import dsl, tracing
 from .args import int_arg
 from .dsl import ScalarParam, SpecError, TensorParam
 from .emit import FLOAT32_MAX
-from .porting import CALL_KEYWORDS_ELSEWHERE
+from .porting import CALL_KEYWORDS_ELSEWHERE, VARIANT_KEYWORDS_ELSEWHERE
 
 # captured tensors as a torch.compile graph passed them to a jitattn op (ops.py), by parameter
 # name: their current values, where the Variant's own tensor may not have received an in-place
@@ -214,13 +216,13 @@ class Variant:
                     f"Variant {self.name!r}: mask_mod is ANDed with the default mask='causal'; "
                     f"pass mask='causal' to keep that (and silence this warning), or "
                     f"mask='none' for the mask_mod alone, as in FlexAttention", UserWarning,
-                    stacklevel=3)
+                    stacklevel=4)
             elif self.score_mod is not None:
                 warnings.warn(
                     f"Variant {self.name!r}: score_mod without mask= is causal (jitattn's "
                     f"default); pass mask='causal' to keep that (and silence this warning), "
                     f"or mask='none' to see every key, as FlexAttention's score_mod alone "
-                    f"does", UserWarning, stacklevel=3)
+                    f"does", UserWarning, stacklevel=4)
             object.__setattr__(self, "mask", "causal")
         if self.mask not in MASKS:
             raise SpecError(f"Variant mask={self.mask!r}: expected one of {MASKS}" +
@@ -438,3 +440,24 @@ def _direct_indices(*exprs):
     for e in exprs:
         walk(e)
     return sorted(found)
+
+
+_dataclass_init = Variant.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _variant_init(self, *args, **kwargs):
+    """Variant's own __init__ (the dataclass's), with a hint for keywords that are another
+    library's way of saying a field (causal=, sliding_window=, logits_soft_cap=, ...)."""
+    unknown = sorted(set(kwargs) - _VARIANT_FIELDS)
+    if unknown:
+        hints = "".join(f"; {name}= is {VARIANT_KEYWORDS_ELSEWHERE[name]}" for name in unknown
+                        if name in VARIANT_KEYWORDS_ELSEWHERE)
+        raise TypeError(f"Variant() got unexpected keyword arguments {unknown}; it takes "
+                        f"{sorted(_VARIANT_FIELDS, key=_FIELD_ORDER.index)}{hints}")
+    _dataclass_init(self, *args, **kwargs)
+
+
+_FIELD_ORDER = [f.name for f in dataclasses.fields(Variant) if f.init]
+_VARIANT_FIELDS = frozenset(_FIELD_ORDER)
+Variant.__init__ = _variant_init

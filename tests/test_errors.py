@@ -694,3 +694,21 @@ def test_plan_errors_show_what_they_got():
     with pytest.raises(TypeError, match=r"kv_indices must be a torch.Tensor of int32, got "
                                         r"NoneType \(None is a ragged layout's"):
         w.plan(args[0], torch.tensor([0, 7], **i32), None, None, 4, 2, 64)
+
+
+def test_other_libraries_keywords_say_where_they_live():
+    """Variant(causal=True), BatchDecode(variant, sm_scale=...) were bare TypeErrors (the
+    dataclass's, or a list of accepted keywords)."""
+    with pytest.raises(TypeError, match=r"Variant\(\) got unexpected keyword arguments "
+                                        r"\['causal'\]; it takes \['name', 'mask', .*causal= "
+                                        r"is mask='causal'"):
+        ja.Variant("x", causal=True)
+    with pytest.raises(TypeError, match="sliding_window= is window_left="):
+        ja.Variant(sliding_window=4)
+    with pytest.raises(TypeError, match=r"sm_scale= is plan\(\)'s"):
+        ja.BatchDecode(ja.Variant("p"), device="cpu", sm_scale=0.1)
+    with pytest.raises(TypeError, match="causal= is the Variant's mask"):
+        ja.BatchPrefill(ja.Variant("p"), device="cpu", causal=True)
+    with pytest.warns(UserWarning) as record:  # (the warning points at the caller's line)
+        ja.Variant(score_mod=lambda s, b, h, q, k: s)
+    assert record[0].filename == __file__
