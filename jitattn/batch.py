@@ -55,7 +55,9 @@ class BatchPrefill:
     variant: the attention variant. page_size: tokens per page (1 or more). kv_layout: "NHD"
     (pages [page_size, num_kv_heads, head_dim]), "HND" ([num_kv_heads, page_size, head_dim]),
     or "ragged": no pages, k / v [total_kv, num_kv_heads, head_dim] with kv_indptr over tokens
-    (plan() then takes kv_indices=None, kv_last_page_len=None; page_size is ignored).
+    (plan() then takes kv_indices=None, kv_last_page_len=None; page_size is ignored). The
+    layout is not read from the cache: where page_size equals num_kv_heads, an HND cache given
+    to an NHD wrapper (or the reverse) has the expected shape and gives wrong outputs.
     device: where run() will be called ("cuda", "cuda:1" or "cpu"; default: the current CUDA
         device when there is one, else the CPU backend).
     Capacities of the device workspace, fixed for the wrapper's life (plan() raises ValueError
