@@ -193,7 +193,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     # a caller's out sharing memory with k or v, or partly with q, would be written while
     # other rows' products still read it: refused, as for lse (out=q itself is in place)
-    if out is None and q.is_contiguous():  # (2-3 us less than torch.empty's dtype, device)
+    if out is None and type(q) is torch.Tensor and q.is_contiguous():  # (empty_like: 2-3 us
+        #                                 less than torch.empty's; it keeps a subclass, though)
         out = torch.empty_like(q)
     else:
         out = launch.output_buffer("out", out, (total_q, hq, head_dim), q.dtype, q.device,

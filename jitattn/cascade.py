@@ -50,7 +50,7 @@ class MultiLevelCascade:
             named = [n for n, p in inspect.signature(type(self).__init__).parameters.items()
                      if p.default is not inspect.Parameter.empty]
             raise unexpected_keywords(type(self).__name__, unknown,
-                                      named + list(self._LEVEL_KEYWORDS))
+                                      named + list(self._LEVEL_KEYWORDS), kv_dtype=False)
         if not isinstance(variant, Variant):
             raise not_a_variant(variant, type(self).__name__)
         num_levels = int_arg("num_levels", num_levels)
@@ -199,7 +199,6 @@ class MultiLevelCascade:
         if q.shape[0] < self._min_rows:
             raise ValueError(f"q has {q.shape[0]} rows; the plan uses rows up to "
                              f"{self._min_rows - 1}")
-        q, = warn_no_grad(f"{type(self).__name__}.run", q)
         planned = self.levels[-1]._run_inputs  # (every level's: one plan() set them all)
         if q.shape[1:] != planned.q_shape[1:] or q.dtype != planned.q_dtype:
             # (else a level names its slice of q: a shape the caller never passed)
@@ -207,6 +206,7 @@ class MultiLevelCascade:
             raise (ValueError if q.dtype == planned.q_dtype else TypeError)(
                 f"q is {tuple(q.shape)} {q.dtype}; the plan expects [total_q, {heads}, "
                 f"{head_dim}] {planned.q_dtype} (plan(..., q_dtype=) sets the dtype)")
+        q, = warn_no_grad(f"{type(self).__name__}.run", q)
         n, total = len(self.levels), q.shape[0]
         # (the levels read q before the merge writes out, but CascadeDecode's plain strategy
         # refuses an out partly inside q: so do the cascades, whichever strategy auto takes)
@@ -441,6 +441,7 @@ class CascadeDecode(MultiLevelCascade):
             raise extra_run_args(type(self).__name__, extra)
         if self.chosen == "plain":  # a reference kept from a cascade plan
             return self.plain.run(q, kv_cache, return_lse=return_lse, **params)
+        q, = warn_no_grad("CascadeDecode.run", q)  # (here: the caller's line is one frame up)
         # (the levels accept rows beyond the plan's)
         if self.chosen is not None and isinstance(q, torch.Tensor) and \
                 (q.dim() != 3 or q.shape[0] != self._q_shape[0]):

@@ -234,9 +234,16 @@ class Expr:
     def __getattr__(self, name):  # torch's other tensor methods: .eq(), .mul(), .neg(), ...
         fn = torch_forms.METHODS.get(name)
         if fn is None:
-            raise AttributeError(f"a traced value has no method {name!r}; those that trace are "
-                                 f"{sorted(set(torch_forms.METHODS) | _OWN_METHODS)}")
-        return lambda *args, **kwargs: fn(self, *args, **kwargs)
+            root = {"sqrt": " (x ** 0.5 traces)", "rsqrt": " (x ** -0.5 traces)"}.get(name, "")
+            raise AttributeError(f"a traced value has no method {name!r}{root}; those that "
+                                 f"trace are {sorted(set(torch_forms.METHODS) | _OWN_METHODS)}")
+
+        def method(*args, **kwargs):
+            try:
+                return fn(self, *args, **kwargs)
+            except TypeError as e:  # (alpha=, rounding_mode=: the form's own message)
+                raise SpecError(f".{name}() with arguments the DSL does not take: {e}") from None
+        return method
 
     @property
     def dtype(self) -> torch.dtype:

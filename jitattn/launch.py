@@ -123,6 +123,10 @@ def output_buffer(name, t, shape, dtype, device, align: int = 16, apart_from=Non
     if t is None:
         return torch.empty(shape, dtype=dtype, device=device)
     check_output(name, t, shape, dtype, device)
+    if t.requires_grad and torch.is_grad_enabled():  # (its autograd history would go stale)
+        raise ValueError(f"{name} requires grad; jitattn writes it without autograd (no "
+                         f"backward): pass a buffer that does not, or call under "
+                         f"torch.no_grad() / torch.inference_mode()")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
     a0 = t.data_ptr()

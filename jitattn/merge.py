@@ -50,7 +50,7 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, reduction: str = "softma
     Raises TypeError / ValueError for wrong dtypes, shapes, devices or strides.
     """
     _check_state("merge_states", o, lse)
-    warn_no_grad("merge_states", o, lse)
+    o, lse = warn_no_grad("merge_states", o, lse)
     if reduction not in ("softmax", "sigmoid"):
         raise ValueError(f"reduction={reduction!r}: expected 'softmax' or 'sigmoid'")
     if o.dim() < 3:
@@ -101,7 +101,7 @@ def merge_state(o_a, lse_a, o_b, lse_b, *, reduction: str = "softmax"):
     """Merge two attention states of the same shape: o [..., head_dim], lse [...] float32.
     Returns (o, lse). See merge_states."""
     _check_state("merge_state (o_a, lse_a)", o_a, lse_a)  # (before empty_like reads them)
-    warn_no_grad("merge_state", o_a, lse_a, o_b, lse_b)
+    o_a, lse_a, o_b, lse_b = warn_no_grad("merge_state", o_a, lse_a, o_b, lse_b)
     out, lse_out = torch.empty_like(o_a), torch.empty_like(lse_a)
     _merge_pair(o_a, lse_a, o_b, lse_b, out, lse_out, reduction, caller="merge_state",
                 names=("o_a, lse_a", "o_b, lse_b"))
@@ -125,5 +125,10 @@ def merge_state_in_place(o, lse, o_other, lse_other, *, reduction: str = "softma
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and _overlap(x, y):
             raise ValueError(f"merge_state_in_place: {name} overlaps {other}, which the merge "
                              f"overwrites; pass a copy ({name}.clone())")
+    for name, t in (("o", o), ("lse", lse)):  # (written without autograd: stale history)
+        if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"merge_state_in_place: {name} requires grad; the merge writes it "
+                             f"without autograd (no backward): merge_state returns new tensors")
+    o_other, lse_other = warn_no_grad("merge_state_in_place", o_other, lse_other)
     _merge_pair(o, lse, o_other, lse_other, o, lse, reduction, caller="merge_state_in_place",
                 names=("o, lse", "o_other, lse_other"))

@@ -63,8 +63,9 @@ CALL_KEYWORDS_ELSEWHERE = {
     "max_seqlen_k": "not needed: read from kv_indptr",
     "softmax_scale": "sm_scale= here",
     "softcap": _FLASHINFER_PLAN["logits_soft_cap"],
-    "window_size": "the Variant's window_left (flash-attn's window_size=(left, -1) is "
-                   "Variant(..., window_left=left))",
+    "window_size": "the Variant's window_left (flash-attn's window_size=(left, 0) is "
+                   "Variant(..., mask='causal', window_left=left); (left, -1) is "
+                   "mask='none', window_left=left)",
     "alibi_slopes": "the Variant's score_mod (README: a captured slopes tensor)",
     "return_softmax_lse": "return_lse= here",
     "return_attn_probs": "not taken: jitattn returns out and, with return_lse=True, lse",
@@ -84,8 +85,11 @@ _CTOR_ELSEWHERE = {
 VARIANT_KEYWORDS_ELSEWHERE = {
     "causal": "mask='causal' (the default) or mask='none'",
     "is_causal": "mask='causal' (the default) or mask='none'",
-    "sliding_window": "window_left= (keys with q_idx - kv_idx > window_left are hidden)",
-    "window_size": "window_left= (flash-attn's window_size=(left, -1))",
+    "sliding_window": "window_left= sliding_window - 1 (transformers' and FlexAttention's "
+                      "window counts the query's own key; keys with q_idx - kv_idx > "
+                      "window_left are hidden)",
+    "window_size": "window_left= (flash-attn's window_size=(left, 0) is mask='causal', "
+                   "window_left=left; (left, -1) is mask='none', window_left=left)",
     "logits_soft_cap": "score_mod=ja.soft_cap(cap)",
     "softcap": "score_mod=ja.soft_cap(cap)",
     "block_mask": "mask_mod= (the function, not a BlockMask)",
@@ -94,14 +98,18 @@ VARIANT_KEYWORDS_ELSEWHERE = {
 }
 
 
-def unexpected_keywords(owner: str, unknown, accepted) -> TypeError:
+def unexpected_keywords(owner: str, unknown, accepted, kv_dtype: bool = True) -> TypeError:
     """The TypeError for constructor keywords ``owner`` does not take, listing ``accepted`` and
-    saying where FlashInfer's constructor keywords (buffers, use_cuda_graph, ...) went."""
+    saying where FlashInfer's constructor keywords (buffers, use_cuda_graph, ...) and plan()'s
+    or the Variant's went. kv_dtype: whether owner's plan() takes kv_dtype= (the cascades'
+    read their caches in q's dtype)."""
     unknown = sorted(unknown)
+    elsewhere = _CTOR_ELSEWHERE if kv_dtype else \
+        _CTOR_ELSEWHERE | {"kv_dtype": _FLASHINFER_PLAN_Q_DTYPE_ONLY["kv_data_type"],
+                           **_FLASHINFER_PLAN_Q_DTYPE_ONLY}
     hints = [f"{name}= is {_FLASHINFER_CTOR[name]}" for name in unknown
              if name in _FLASHINFER_CTOR]
-    hints += [f"{name}= is {_CTOR_ELSEWHERE[name]}" for name in unknown
-              if name in _CTOR_ELSEWHERE]
+    hints += [f"{name}= is {elsewhere[name]}" for name in unknown if name in elsewhere]
     hints += [f"{name}= is the wrapper's own buffer, sized by the capacities (max_batch_size=, "
               f"max_num_pages=, ...)" for name in unknown if name.endswith(("_buf", "_buffer"))]
     hint = f" ({'; '.join(hints)}; README: porting from FlashInfer)" if hints else ""

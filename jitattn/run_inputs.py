@@ -59,8 +59,8 @@ class RunInputs:
         """check()'s conditions, tested the fast way for the usual call (host time: each torch
         attribute read costs 0.1-0.3 us). Returns (k_strides, v_strides, q_dense): the caches'
         (page, slot, head) strides in elements as launch.kv_strides gives them, and whether q
-        is contiguous; or None, which sends the call through check(), which names what is
-        wrong."""
+        is contiguous (and a plain torch.Tensor: empty_like keeps a subclass); or None,
+        which sends the call through check(), which names what is wrong."""
         # (get_device() is -1 for CPU and meta tensors alike, and other devices have indices)
         index, cuda = self.device_index, self.device_index >= 0
         if not (isinstance(q, torch.Tensor) and q.get_device() == index and
@@ -85,7 +85,7 @@ class RunInputs:
             if not strides:
                 return None
             kv.append(strides)
-        return kv[0], kv[1], qs == self._q_dense
+        return kv[0], kv[1], qs == self._q_dense and type(q) is torch.Tensor
 
     def _kernel_strides(self, c):
         """The kernels' (page, slot, head) strides of cache ``c`` (launch.kv_strides), or ()

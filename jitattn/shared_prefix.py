@@ -230,7 +230,8 @@ class SharedPrefixPrefill:
         entry of suffix_lens is not an int (bool included), ValueError when prefix_len < 0 or a
         suffix has no token."""
         try:
-            if isinstance(suffix_lens, (set, frozenset, Mapping)):  # (the layout is ordered)
+            if isinstance(suffix_lens, (set, frozenset, Mapping, str, bytes)) or \
+                    getattr(suffix_lens, "ndim", 1) != 1:  # (the layout is ordered, 1-D)
                 raise TypeError
             given = list(suffix_lens)
             if any(isinstance(s, (bool, np.bool_)) or

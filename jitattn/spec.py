@@ -175,8 +175,8 @@ class Variant:
         row's states NaN too).
     mask_mod: ``f(b, h, q_idx, kv_idx) -> bool``; False hides the key (ANDed with mask/window).
         Given without ``mask``, it is ANDed with the default causal mask and a UserWarning
-        says so (FlexAttention's mask_mod alone is ``mask="none"`` here); so is a score_mod
-        given without ``mask``.
+        says so (FlexAttention's mask_mod alone is ``mask="none"`` here). A score_mod given
+        without ``mask`` is causal too (FlexAttention's sees every key), and warns so.
     pos_encoding: :class:`RoPE` applied to q and k on load, or None.
     reduction: ``"softmax"``, or ``"sigmoid"``: out = sum_j sigmoid(s_j) v_j, unnormalised;
         lse then reports log(sum_j sigmoid(s_j)), and partial states merge by addition. The

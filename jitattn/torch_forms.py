@@ -127,7 +127,15 @@ def _two(fn):
 
 
 def _binary_op(op):
-    return lambda a, b: op(_lift(a), b)
+    """torch's functional / method form of an operator, named as torch names it (its errors
+    name it: s.add(x, alpha=2) is 'add() got an unexpected keyword argument')."""
+    def form(input, other):  # noqa: A002 (torch's names)
+        return op(_lift(input), other)
+    form.__name__ = form.__qualname__ = _TORCH_NAME.get(op.__name__, op.__name__)
+    return form
+
+
+_TORCH_NAME = {"truediv": "div", "floordiv": "floor_divide", "mod": "remainder"}
 
 
 _T = torch.Tensor

@@ -712,3 +712,34 @@ def test_other_libraries_keywords_say_where_they_live():
     with pytest.warns(UserWarning) as record:  # (the warning points at the caller's line)
         ja.Variant(score_mod=lambda s, b, h, q, k: s)
     assert record[0].filename == __file__
+
+
+def test_review_cases_of_grad_subclasses_and_hints():
+    """A review's cases: an out that requires grad would keep a stale autograd history (now
+    refused, as torch refuses out= there); a tensor subclass q gave an output of its
+    subclass (empty_like); the cascades' constructors pointed kv_dtype= at a plan() keyword
+    they do not have."""
+    import warnings
+    variant = ja.Variant("c", mask="causal")
+    q, k = torch.randn(5, 4, 64).half(), torch.randn(7, 2, 64).half()
+    out = (q.float().requires_grad_() * 1.0).half()
+    with pytest.raises(ValueError, match="out requires grad; jitattn writes it without "
+                                         "autograd"):
+        ja.attention(q, k, k, variant, out=out)
+    with torch.no_grad():
+        ja.attention(q, k, k, variant, out=out)  # (no autograd: nothing goes stale)
+
+    class Sub(torch.Tensor):
+        pass
+    assert type(ja.attention(q.as_subclass(Sub), k, k, variant)) is torch.Tensor
+    with pytest.raises(TypeError, match="kv_dtype= is not taken here: the caches are read in "
+                                        "q's dtype"):
+        ja.CascadeDecode(variant, device="cpu", kv_dtype=torch.float16)
+    lse = torch.randn(4, 2, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the warning that outputs do not track gradients)
+        empty = torch.zeros(4, 2, 0)
+        torch.testing.assert_close(ja.merge_state(empty, lse, empty.clone(), lse.detach())[1],
+                                   lse.detach() + math.log(2))
+    with pytest.raises(ValueError, match="merge_state_in_place: lse requires grad"):
+        ja.merge_state_in_place(empty, lse, empty.clone(), lse.detach().clone())

@@ -20,8 +20,8 @@ with values other than 0 and a large negative (a bias), raises ValueError. Under
 the layout is built outside the graph (a graph break per layer with a padded mask).
 Attention sinks (gpt-oss's ``s_aux``) renormalise the output by the lse, as transformers'
 flex_attention does. No attention weights are returned (output_attentions=True warns, as with
-transformers' sdpa),
-and a position_bias (T5's relative bias) raises ValueError rather than being dropped.
+transformers' sdpa), and a position_bias (T5's relative bias) raises ValueError rather than
+being dropped.
 """
 
 from __future__ import annotations
@@ -237,8 +237,8 @@ def jitattn_attention_forward(module, query, key, value, attention_mask, dropout
 def _with_sinks(result, sinks):
     """The output with attention sinks (gpt-oss's ``s_aux``: one logit per query head that
     joins every row's softmax with no value): out x exp(lse) / (exp(lse) + exp(sink)) =
-    out x sigmoid(lse - sink), lse the row's natural-log sum over its keys (0 where it sees
-    none); ``result`` is out alone when sinks is None, else (out, lse)."""
+    out x sigmoid(lse - sink), lse the row's natural-log sum over its keys (-inf where it sees
+    none: out stays 0); ``result`` is out alone when sinks is None, else (out, lse)."""
     if sinks is None:
         return result
     out, lse = result
