@@ -399,6 +399,10 @@ def _binary(op, a, b) -> Expr:
     constant int exponent >= 0. Warns (IntOverflowWarning) for an int result whose range over
     the symbols' (emit.int_range) leaves int64."""
     a, b = _lift(a), _lift(b)
+    if op == "+" and a.kind == b.kind == "bool":  # (torch: a logical or; Python: a count)
+        raise SpecError("bool + bool: torch computes a logical or, Python a count, so a mod "
+                        "ported either way would differ; write a | b for the or, or "
+                        "a.long() + b.long() for the count")
     if op == "**":
         exact = a.kind != "float" and b.op == "const" and b.kind == "int" and b.args[0] >= 0
         kind = "int" if exact else "float"

@@ -255,8 +255,10 @@ def kv_linear(score):
     return (coef if coef is not None else one), lin[0], lin[1], cst
 
 
-_TWO_LOG2E = 2.0 * math.log2(math.e)  # ja_tanh_ex2 takes 2 log2(e) x
+_LOG2E = math.log2(math.e)
+_TWO_LOG2E = 2.0 * _LOG2E  # ja_tanh_ex2 takes 2 log2(e) x
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
 
 def scaled_form(score):
@@ -298,6 +300,10 @@ def scaled_form(score):
         if not math.isfinite(folded) or (folded == 0) != (inner == 0):
             return None
         inner, call = folded, "ja_tanh_ex2(x)"
+    # the softmax's exponent factor is outer x log2(e) in float32, and a subnormal factor in
+    # F's argument would flush to 0 under the kernels' fast math: both keep the traced form
+    if float(outer.args[0]) * _LOG2E > FLOAT32_MAX or 0 < abs(inner) < FLOAT32_TINY:
+        return None
     return float(outer.args[0]), inner, call
 
 

@@ -40,13 +40,20 @@ class _Tracer:
     prefix: str = "captured"
     captured: list = field(default_factory=list)
     names: dict = field(default_factory=dict)  # id(tensor) -> the Python name it was found by
-    made: list = field(default_factory=list)  # 0-d tensors torch computed during the trace
+    made: list = field(default_factory=list)  # tensors torch computed during the trace
 
     def capture(self, t: torch.Tensor) -> TensorParam:
         for p in self.captured:
             if p.captured is t:
                 return p
         name = self.names.get(id(t))
+        if t._base is None and any(m is t for m in self.made):  # (a view reads live data)
+            raise SpecError(f"a tensor of shape {tuple(t.shape)} that the mod computed while "
+                            f"it was traced (from a captured one: (t * 4.0)[h], t.float()[h], "
+                            f"t.T.contiguous()[h, k]) would keep the values it had then, "
+                            f"where a captured tensor is read per call: compute it outside the "
+                            f"mod and capture that, or write the arithmetic on the indexed "
+                            f"value (t[h] * 4.0)")
         if t.dtype not in dtypes.TAG or t.dim() == 0:
             raise SpecError(f"captured tensor{f' {name!r}' if name else ''} of dtype {t.dtype} "
                             f"and shape {tuple(t.shape)} cannot be indexed in a variant; "
@@ -55,7 +62,8 @@ class _Tracer:
         if not t.is_contiguous():  # (bind() would refuse it at every call)
             raise SpecError(f"captured tensor{f' {name!r}' if name else ''} of shape "
                             f"{tuple(t.shape)} has strides {t.stride()}; a variant reads "
-                            f"captured tensors contiguous: capture t.contiguous()")
+                            f"captured tensors contiguous: capture t.contiguous(), made "
+                            f"outside the mod")
         p = TensorParam(f"{self.prefix}{len(self.captured)}", tuple(t.shape), t.dtype, t,
                         label=self.names.get(id(t)))
         self.captured.append(p)
@@ -73,7 +81,9 @@ class _Tracer:
             raise SpecError(f"a 0-d tensor ({t.item()!r}) that the mod computed while it was "
                             f"traced would keep that value at every call (a captured 0-d "
                             f"tensor is read per call): write the arithmetic on the traced "
-                            f"value (score / t, not score * (1 / t)), or use ja.scalar")
+                            f"value (score / t, not score * (1 / t)), a Python number for a "
+                            f"constant (float('-inf'), not torch.tensor(...)), or ja.scalar "
+                            f"for a runtime parameter")
         if t.dtype not in dtypes.TAG:
             raise SpecError(f"captured 0-d tensor{f' {name!r}' if name else ''} has dtype "
                             f"{t.dtype}; expected one of {list(dtypes.FROM_NAME)} (or a Python "
@@ -120,9 +130,9 @@ def current() -> _Tracer:
 
 
 class _Computed(TorchFunctionMode):
-    """Keeps the 0-d tensors torch computes while a mod is traced (1 / t of a captured t):
-    such a value is the trace's, and capture_scalar refuses it rather than read it per call
-    (held, so that no other tensor takes its id)."""
+    """Keeps the tensors torch computes while a mod is traced (1 / t or t * 4.0 of a captured
+    t): such a value is the trace's, and capture / capture_scalar refuse it rather than read
+    it per call (held, so that no other tensor takes its id)."""
 
     def __init__(self, made: list):
         super().__init__()
@@ -130,7 +140,7 @@ class _Computed(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor) and out.dim() == 0:
+        if isinstance(out, torch.Tensor):
             self.made.append(out)
         return out
 

@@ -77,10 +77,13 @@ def test_a_non_contiguous_captured_tensor_is_refused_when_traced():
     """It used to pass the variant's construction and fail at every call."""
     column = torch.randn(8, 2)[:, 1]
     with pytest.raises(SpecError, match=r"captured tensor 'column' of shape \(8,\) has strides "
-                                        r"\(2,\); .* capture t.contiguous\(\)"):
+                                        r"\(2,\); .* capture t.contiguous\(\), made outside"):
         trace_score(lambda s, b, h, q, k: s + column[h])
-    (p,) = tracing.params_of(trace_score(lambda s, b, h, q, k: s + column.contiguous()[h]).expr)
-    assert p.captured.is_contiguous()
+    dense = column.contiguous()  # (made in the mod, the copy would keep its values: refused)
+    (p,) = tracing.params_of(trace_score(lambda s, b, h, q, k: s + dense[h]).expr)
+    assert p.captured is dense
+    with pytest.raises(SpecError, match="computed while it was traced"):
+        trace_score(lambda s, b, h, q, k: s + column.contiguous()[h])
 
 
 def test_mask_mod_must_return_bool():
@@ -488,7 +491,14 @@ def test_torch_forms_that_do_not_trace_say_what_does():
             (lambda s, b, h, q, k: torch.sqrt(s), r"torch function sqrt cannot be traced; "
                                                    r"x \*\* 0.5 traces"),
             (lambda s, b, h, q, k: s + q.item(), r"a traced value has no method 'item'; those "
-                                                 r"that trace are \['abs', 'add', ")):
+                                                 r"that trace are \['abs', 'add', "),
+            # torch's bool + bool is a logical or, Python's a count
+            (lambda s, b, h, q, k: s + ((k > 4) + (k > 9)) * 1.0, r"bool \+ bool: torch "
+                                                                  r"computes a logical or"),
+            # a table computed from a captured one while tracing: its values would be frozen
+            (lambda s, b, h, q, k: s + (table * 4.0)[h, k], r"a tensor of shape \(4, 8\) that "
+                                                           r"the mod computed while it was "
+                                                           r"traced")):
         with pytest.raises(SpecError, match=text):
             trace_score(fn)
     with pytest.raises(ValueError, match=r"sm_scale=tensor\(0.1250\).*t.item\(\)"):

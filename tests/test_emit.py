@@ -301,3 +301,16 @@ def test_scaled_form_finds_soft_cap_and_nothing_else():
             warnings.simplefilter("error")  # (numpy's overflow warning for the folded 3e38)
             assert emit.scaled_form(score) is None, name
     assert emit.scaled_form(None) is None
+
+
+def test_scaled_form_keeps_the_traced_form_beyond_float32():
+    """A cap above float32's max / log2(e) made the CUDA softmax's exponent factor inf, and a
+    subnormal factor of the score flushes to 0 under fast math: both keep the traced form (a
+    review found them reading the generated code)."""
+    def form(variant):
+        score, _ = emit.divisions_as_products(variant.score.expr, None)
+        return emit.scaled_form(score)
+    assert form(ja.Variant(mask="causal", score_mod=ja.soft_cap(2e38))) is not None
+    assert form(ja.Variant(mask="causal", score_mod=ja.soft_cap(3e38))) is None
+    assert form(ja.Variant(mask="causal", score_mod=ja.soft_cap(1e38, approx=True))) is None
+    assert form(ja.Variant(mask="causal", score_mod=ja.soft_cap(1e37, approx=True))) is not None
