@@ -106,6 +106,15 @@ class TensorParam:
                 raise SpecError(f"tensor {self.display!r} dimension {i} is indexed by a "
                                 f"{node.kind} expression ({emit_cpp(node)}); indices must be "
                                 f"integer expressions of b, h, q_idx, kv_idx and int constants")
+            if node.op == "const" and node.args[0] < 0:  # (torch wraps a literal t[-1]; the
+                #                                            kernels clamp indices to 0)
+                size = self.shape[i]
+                if not isinstance(size, int) or node.args[0] < -size:
+                    raise SpecError(f"tensor {self.display!r} dimension {i} (size {size!r}) "
+                                    f"is indexed by the constant {node.args[0]}, which torch "
+                                    f"would wrap (or refuse) and the kernels would clamp to 0; "
+                                    f"index from the start")
+                node = Expr("const", (node.args[0] + size,), "int")
             nodes.append(node)
         tag = dtypes.tag(self.dtype)
         kind = "float" if dtypes.is_float_tag(tag) else ("bool" if tag == "bool" else "int")

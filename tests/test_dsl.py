@@ -492,6 +492,10 @@ def test_torch_forms_that_do_not_trace_say_what_does():
                                                    r"x \*\* 0.5 traces"),
             (lambda s, b, h, q, k: s + q.item(), r"a traced value has no method 'item'; those "
                                                  r"that trace are \['abs', 'add', "),
+            # a literal negative index where the size is only known per call (torch wraps)
+            (lambda s, b, h, q, k: s + ja.tensor("x", ("kv_len",))[-1], r"dimension 0 \(size "
+                                                                        r"'kv_len'\) is indexed "
+                                                                        r"by the constant -1"),
             # torch's bool + bool is a logical or, Python's a count
             (lambda s, b, h, q, k: s + ((k > 4) + (k > 9)) * 1.0, r"bool \+ bool: torch "
                                                                   r"computes a logical or"),
@@ -532,3 +536,14 @@ def test_a_0d_tensor_reached_otherwise_than_by_closure_is_read_per_call():
         want = _flex_eager(q, k, v, lambda s, *_: s * 3.0, None)
         assert (ja.attention(q, k, v, variant).double() - want).abs().max() < 4e-3
         t.fill_(0.5)
+
+
+def test_a_literal_negative_index_wraps_as_in_torch():
+    """tab[-1, kv_idx] read row 0 (indices clamp), where torch reads the last row."""
+    tab = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    last = ja.Variant(mask="none", score_mod=lambda s, b, h, q, k: s + tab[-1, k])
+    row2 = ja.Variant(mask="none", score_mod=lambda s, b, h, q, k: s + tab[2, k])
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(9, 2, 64, generator=gen).half(), torch.randn(11, 2, 64, generator=gen).half()
+    torch.testing.assert_close(ja.attention(q, k, k, last), ja.attention(q, k, k, row2),
+                               rtol=0, atol=0)
