@@ -297,6 +297,9 @@ class BatchPrefill:
         if return_lse.__class__ is not bool:
             return_lse = bool_arg("return_lse", return_lse)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
+            for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):  # (the op's float()
+                if isinstance(x, bool):  # would take True as 1.0, which run() refuses)
+                    raise ValueError(f"{name}={x!r}: expected a finite Python float > 0")
             o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2,
                                       extra_scalars=(k_scale, v_scale))
             return launch.into_outputs(o, s, out, lse, return_lse)

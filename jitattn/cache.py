@@ -168,10 +168,17 @@ class Cache:
     def _verified(self, root: Path, key: str, binary_name: str, quiet: bool) -> Path | None:
         folder = root / key
         binary = folder / binary_name
-        if not folder.exists() and not folder.is_symlink():
+        try:
+            if not folder.exists() and not folder.is_symlink():
+                return None
+            linked = folder.is_symlink() or binary.is_symlink() or \
+                (folder / "meta.json").is_symlink()
+        except OSError as e:  # (an entry this user cannot read: another's, or chmod 000)
+            if not quiet:
+                log.warning("jitattn: cache entry %s cannot be read (%s); rebuilding", key, e)
             return None
-        if folder.is_symlink() or binary.is_symlink() or (folder / "meta.json").is_symlink() \
-                or not (self._inside(binary, root) and self._inside(folder / "meta.json", root)):
+        if linked or not (self._inside(binary, root) and self._inside(folder / "meta.json",
+                                                                        root)):
             if not quiet:
                 log.warning("jitattn: cache entry %s has links or missing files; rebuilding",
                             key)
@@ -275,10 +282,11 @@ class Cache:
         folders of builds that were killed (whose key's lock is free); returns how many entries
         are gone. Folders not named like an entry, links to them, lock files, staging folders of
         builds in progress and the tune tables (TUNE_DIR) are left alone. Raises OSError when
-        the root is not in use (read-only, or unusable: see fallback_reason)."""
+        the root is not in use (read-only, or unusable: see fallback_reason), and after the
+        others are gone, when an entry could not be removed (naming it)."""
         if self.fallback_reason is not None:  # (this process's private folder is not it)
             raise OSError(f"{self.fallback_reason}; nothing removed")
-        n = 0
+        n, left = 0, []
         for p in list(self.root.iterdir()):
             if p.is_symlink() or not p.is_dir():
                 continue
@@ -295,12 +303,16 @@ class Cache:
                 try:
                     lock.acquire()  # (keep_failed runs under the key's lock)
                 except OSError as e:  # a folder at the lock's path, or another user's file
-                    log.warning("jitattn: %s left: its lock %s cannot be used (%s)", p,
-                                lock.lock_file, e)
+                    left.append(f"{p} (its lock {lock.lock_file} cannot be used: {e})")
                     continue
                 try:
                     shutil.rmtree(p, ignore_errors=True)
                 finally:
                     lock.release()
                 n += not failed and not p.exists()
+                if p.exists():  # (another user's, or a folder this user cannot list)
+                    left.append(f"{p} (permissions)")
+        if left:
+            raise OSError(f"removed {n} {'entry' if n == 1 else 'entries'}; {len(left)} left: "
+                          f"{'; '.join(left)}")
         return n

@@ -61,5 +61,8 @@ def variants_in(module: ModuleType) -> list[Variant]:
             raise ValueError(f"{module.__file__}: make() takes arguments "
                              f"({', '.join(p.name for p in required)}) and the file has no "
                              f"example() to call it with")
-        found = [made] if isinstance(made, Variant) else []
+        if not isinstance(made, Variant):
+            raise TypeError(f"{module.__file__}: make() returned {type(made).__name__}; "
+                            f"expected a jitattn.Variant")
+        found = [made]
     return found

@@ -121,10 +121,18 @@ def _compile(args) -> int:
     except SpecError as e:  # a Variant the file builds at import (no traceback: it is named)
         print(f"jitattn compile: {args.variant_file}: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # the file's own error (a SyntaxError, an import, its code): one line
+        print(f"jitattn compile: {args.variant_file}{_line_in(e, args.variant_file)}: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     try:
         variants = catalog.variants_in(module)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, SpecError) as e:
         print(f"jitattn compile: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # raised by the file's make() or example()
+        print(f"jitattn compile: {args.variant_file}{_line_in(e, args.variant_file)}: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
         return 2
     cache = Cache()
     if cache.fallback_reason is not None:  # builds would go to a folder removed at exit
@@ -138,21 +146,39 @@ def _compile(args) -> int:
         return 2
     arch = args.arch or (jit.device_arch(0) if not args.cpu and _cuda() else "sm_90a")
     try:
-        _build_all(variants, args, arch)
+        _build_all(variants, args, arch, cache.root)
     except (build.CompileError, OSError) as e:  # (the compiler's first error, not a traceback)
         print(f"jitattn compile: {e}", file=sys.stderr)
         return 1
     return 0
 
 
-def _build_all(variants, args, arch: str) -> None:
+def _line_in(error: BaseException, path: str) -> str:
+    """", line N" of the last frame of ``error``'s traceback in the file at ``path`` (a
+    SyntaxError's own line), or ""."""
+    import traceback
+    if isinstance(error, SyntaxError) and error.lineno:
+        return f", line {error.lineno}"
+    target = os.path.realpath(path)
+    lines = [f.lineno for f in traceback.extract_tb(error.__traceback__)
+             if os.path.realpath(f.filename) == target]
+    return f", line {lines[-1]}" if lines else ""
+
+
+def _build_all(variants, args, arch: str, root: Path) -> None:
+    """Build (or find cached) every specialisation; raises OSError for a build that went to a
+    private folder (its key's lock could not be used: nothing would be saved)."""
+    def report(path, built):
+        print(f"  {'built' if built else 'cached'} {path}")
+        if root.resolve() not in path.resolve().parents:
+            raise OSError(f"{path} was built in a private folder removed at exit, not in "
+                          f"{root} (its build lock cannot be used: see the warning); nothing "
+                          f"was saved")
     for variant in variants:
         print(variant.describe())
         for head_dim in args.head_dim:
             if args.cpu:
-                path, built = jit.compile_cached(render.render_cpu(variant, head_dim=head_dim),
-                                                 None)
-                print(f"  {'built' if built else 'cached'} {path}")
+                report(*jit.compile_cached(render.render_cpu(variant, head_dim=head_dim), None))
                 continue
             for kind in args.kind:
                 for dtype_tag in args.dtype:
@@ -160,8 +186,7 @@ def _build_all(variants, args, arch: str) -> None:
                         src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag,
                                                  head_dim=head_dim, arch=arch,
                                                  shared_kv=shared_kv)
-                        path, built = jit.compile_cached(src, arch)
-                        print(f"  {'built' if built else 'cached'} {path}")
+                        report(*jit.compile_cached(src, arch))
 
 
 def _bench(args) -> int:
@@ -178,9 +203,9 @@ def _tune(args) -> int:
         print("jitattn tune needs a CUDA GPU (or --cpu)", file=sys.stderr)
         return 2
     hq, hkv = args.heads
-    if hq < 1 or hkv < 1 or hq % hkv:
-        print(f"jitattn tune: --heads {hq} {hkv}: expected NUM_QO_HEADS and NUM_KV_HEADS >= 1, "
-              f"the first a multiple of the second", file=sys.stderr)
+    if not (1 <= hkv <= hq <= 65535) or hq % hkv:  # (the planner's limit on heads)
+        print(f"jitattn tune: --heads {hq} {hkv}: expected NUM_QO_HEADS and NUM_KV_HEADS in "
+              f"1 .. 65535, the first a multiple of the second", file=sys.stderr)
         return 2
     unusable = Cache().fallback_reason
     if unusable is not None and not args.quick:  # (before minutes of measurement are lost)

@@ -73,8 +73,8 @@ def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_s
     kv = [0, k.shape[0]] if kv_indptr is None else [int(x) for x in kv_indptr.tolist()]
     batch = len(qo) - 1
     sizes = dict(batch_size=batch, num_qo_heads=hq, num_kv_heads=hkv,
-                 qo_len=max(qo[i + 1] - qo[i] for i in range(batch)),
-                 kv_len=max(kv[i + 1] - kv[i] for i in range(batch)))
+                 qo_len=max((qo[i + 1] - qo[i] for i in range(batch)), default=0),
+                 kv_len=max((kv[i + 1] - kv[i] for i in range(batch)), default=0))
     bound = variant.bind(params, device=q.device, sizes=sizes)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out = torch.zeros(total_q, hq, d, dtype=torch.float64, device=q.device)

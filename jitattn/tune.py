@@ -150,12 +150,12 @@ def measure(device, *, quick: bool = False, num_qo_heads: int = 16, num_kv_heads
             head_dim: int = 128, dtype=torch.float16, reps: int = 5) -> dict:
     """Time every strategy on every cell of the grid (QUICK_CELLS with quick) on ``device``
     with a causal variant; returns the table (not saved). Raises TypeError / ValueError for
-    head counts that are not ints >= 1 with num_qo_heads a multiple of num_kv_heads (before
-    any timing)."""
+    head counts that are not ints in 1 .. 65535 with num_qo_heads a multiple of num_kv_heads
+    (before any timing)."""
     from . import bench, bench_shared
     from .args import int_arg
-    num_qo_heads = int_arg("num_qo_heads", num_qo_heads)
-    num_kv_heads = int_arg("num_kv_heads", num_kv_heads)
+    num_qo_heads = int_arg("num_qo_heads", num_qo_heads, maximum=65535)
+    num_kv_heads = int_arg("num_kv_heads", num_kv_heads, maximum=65535)
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads "
                          f"({num_kv_heads})")

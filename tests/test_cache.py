@@ -415,8 +415,8 @@ def test_threads_building_one_key_beside_an_unusable_lock(fresh_cache):
 def test_a_folder_in_place_of_a_lock_builds_privately_and_clear_leaves_it(fresh_cache, caplog,
                                                                            capsys):
     """A folder at ``<key>.lock`` (IsADirectoryError from the lock): the kernel is built in a
-    private temporary cache with a warning, and `jitattn cache clear` names the entry it
-    cannot lock instead of failing."""
+    private temporary cache with a warning, and `jitattn cache clear` removes the others, then
+    names the entry it cannot lock and exits 1."""
     from jitattn import cli
     key = jit.cache_key(_src(), None)
     fresh_cache.mkdir(mode=0o700)
@@ -429,9 +429,10 @@ def test_a_folder_in_place_of_a_lock_builds_privately_and_clear_leaves_it(fresh_
                                          score_mod=ja.soft_cap(19.0)), head_dim=64)
     jit.compile_cached(other, None)  # an entry in the root, beside the stuck one's lock
     (fresh_cache / key).mkdir()  # and the stuck key's entry there too
-    assert cli.main(["cache", "clear"]) == 0
+    assert cli.main(["cache", "clear"]) == 1
     assert not (fresh_cache / jit.cache_key(other, None)).exists()
-    assert (fresh_cache / key).exists() and "cannot be used" in caplog.text
+    err = capsys.readouterr().err
+    assert (fresh_cache / key).exists() and f"1 left: {fresh_cache / key} (its lock" in err
 
 
 def test_an_entry_that_cannot_be_removed_is_named(fresh_cache, monkeypatch):
@@ -520,3 +521,27 @@ def test_a_variant_named_failed_is_an_entry(fresh_cache):
     cache = Cache()
     assert [e["key"] for e in cache.entries()] == [path.parent.name]
     assert cache.clear() == 1 and not kept.exists() and not path.exists()
+
+
+def test_an_unreadable_entry_is_rebuilt_and_clear_names_what_it_leaves(fresh_cache, caplog,
+                                                                       monkeypatch):
+    """An entry this user cannot read (chmod 000, or another user's after a sudo run) made
+    every call fail with a PermissionError from the cache's link checks, and `cache clear`
+    said "removed 0 entries" with the entry still there (simulated: the tests may run as
+    root, who reads and removes anything)."""
+    from jitattn import cache as cache_mod
+    path, _ = jit.compile_cached(_src(), None)
+    real = Path.is_symlink
+
+    def unreadable(p):
+        if p == path:
+            raise PermissionError(13, "Permission denied", str(p))
+        return real(p)
+    with monkeypatch.context() as m:
+        m.setattr(Path, "is_symlink", unreadable)
+        again, built = jit.compile_cached(_src(), None)
+    assert built and again == path and f"cache entry {path.parent.name} cannot be read" in \
+        caplog.text
+    monkeypatch.setattr(cache_mod.shutil, "rmtree", lambda *a, **k: None)
+    with pytest.raises(OSError, match=r"removed 0 entries; 1 left: .* \(permissions\)"):
+        Cache().clear()

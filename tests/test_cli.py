@@ -2,6 +2,7 @@
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -103,8 +104,10 @@ def test_compile_targets_the_visible_gpu_by_default(monkeypatch, capsys, gpu_arc
     built = []
     monkeypatch.setattr(cli, "_cuda", lambda: gpu_arch is not None)
     monkeypatch.setattr(jit, "device_arch", lambda index: gpu_arch)
+    from jitattn.cache import Cache
+    in_cache = Cache().root / "key" / "kernel.cubin"
     monkeypatch.setattr(jit, "compile_cached", lambda src, arch: built.append(arch) or
-                        ("kernel.cubin", True))
+                        (in_cache, True))
     variant_file = str(env.variants_dir() / "alibi.py")
     assert cli.main(["compile", variant_file, "--head-dim", "64", "--dtype", "f16",
                      "--kind", "decode"]) == 0
@@ -157,6 +160,33 @@ def test_compile_errors_are_messages_not_tracebacks(tmp_path, monkeypatch, capsy
     for path, text in ((notes, "is not a Python file"), (tmp_path, "is not a file")):
         assert cli.main(["compile", str(path), "--cpu"]) == 2
         assert text in capsys.readouterr().err
+    # the file's own errors (at import, or in make()): one line naming the file and its line
+    for name, code, text in (
+            ("syntax.py", "x = (\n", "syntax.py, line 1: SyntaxError: "),
+            ("imports.py", "import numpy\nimport no_such_module_here\n",
+             "imports.py, line 2: ModuleNotFoundError: No module named"),
+            ("raises.py", "def make():\n    return {}['x']\n", "raises.py, line 2: KeyError"),
+            ("five.py", "def make():\n    return 5\n", "make() returned int; expected a "
+                                                     "jitattn.Variant")):
+        (tmp_path / name).write_text(code)
+        assert cli.main(["compile", str(tmp_path / name), "--cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and text in err and "Traceback" not in err, err
+
+
+def test_compile_fails_when_its_build_went_to_a_private_folder(tmp_path, monkeypatch, capsys):
+    """A folder at a key's lock path: the kernel is built in a private folder removed at exit,
+    and compile said "built" with exit status 0."""
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(tmp_path / "cache"))
+    variant_file = str(env.variants_dir() / "softcap.py")
+    assert cli.main(["compile", variant_file, "--cpu", "--head-dim", "32"]) == 0
+    built = capsys.readouterr().out.split("built ")[1].strip()
+    shutil.rmtree(Path(built).parent)
+    lock = Path(built).parent.with_name(Path(built).parent.name + ".lock")
+    lock.unlink()  # (the first build's lock file)
+    lock.mkdir()
+    assert cli.main(["compile", variant_file, "--cpu", "--head-dim", "32"]) == 1
+    assert "was built in a private folder removed at exit" in capsys.readouterr().err
 
 
 def test_tune_refuses_before_measuring_when_the_table_cannot_be_saved(tmp_path, monkeypatch,

@@ -346,3 +346,21 @@ def test_a_first_host_only_call_inside_fullgraph_gives_its_reason(monkeypatch, r
         torch._dynamo.reset()
         with pytest.raises(Exception, match=re.escape(reason)):
             torch.compile(step, backend="aot_eager", fullgraph=True)(torch.ones(2))
+
+
+def test_a_bool_scale_is_refused_under_compile_as_eagerly():
+    """k_scale=True became 1.0 in the op's float(): the compiled run() accepted what the eager
+    one refuses."""
+    i32 = dict(dtype=torch.int32)
+    w = ja.BatchDecode(ja.Variant("p", mask="causal"), page_size=3, device="cpu")
+    w.plan(torch.tensor([0, 2], **i32), torch.tensor([0, 1], **i32), torch.tensor([2], **i32),
+           4, 2, 64)
+    q, cache = torch.randn(1, 4, 64).half(), tuple(torch.randn(2, 3, 2, 64).half()
+                                                  for _ in range(2))
+    with pytest.raises(ValueError, match="k_scale=True: expected a finite Python float"):
+        w.run(q, cache, k_scale=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: w.run(q, (k, v), k_scale=True),
+                             backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="k_scale=True: expected a finite Python float"):
+        compiled(q, *cache)
