@@ -301,8 +301,8 @@ def test_ahead_of_time_compile_builds_what_the_runtime_loads(tmp_path, monkeypat
     from jitattn import cli
     monkeypatch.setenv("JITATTN_CACHE_DIR", str(tmp_path))
     keys = []
-    monkeypatch.setattr(jit, "compile_cached",
-                        lambda src, arch: keys.append(jit.cache_key(src, arch)) or (tmp_path, False))
+    monkeypatch.setattr(jit, "compile_cached", lambda src, arch: keys.append(
+        jit.cache_key(src, arch)) or (tmp_path / "key" / "kernel.cubin", False))
     variant_file = tmp_path / "v.py"
     variant_file.write_text("import jitattn as ja\nv = ja.Variant('c', mask='causal')\n")
     assert cli.main(["compile", str(variant_file), "--kind", "prefill", "--head-dim", "128",
