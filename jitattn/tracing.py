@@ -47,7 +47,8 @@ class _Tracer:
             if p.captured is t:
                 return p
         name = self.names.get(id(t))
-        if t._base is None and any(m is t for m in self.made):  # (a view reads live data)
+        base = t if t._base is None else t._base  # (a view of a captured tensor reads live
+        if any(m is base for m in self.made):      # data; one of a computed tensor does not)
             raise SpecError(f"a tensor of shape {tuple(t.shape)} that the mod computed while "
                             f"it was traced (from a captured one: (t * 4.0)[h], t.float()[h], "
                             f"t.T.contiguous()[h, k]) would keep the values it had then, "

@@ -502,7 +502,10 @@ def test_torch_forms_that_do_not_trace_say_what_does():
             # a table computed from a captured one while tracing: its values would be frozen
             (lambda s, b, h, q, k: s + (table * 4.0)[h, k], r"a tensor of shape \(4, 8\) that "
                                                            r"the mod computed while it was "
-                                                           r"traced")):
+                                                           r"traced"),
+            (lambda s, b, h, q, k: s + (table * 4.0).view(8, 4)[k, h], r"a tensor of shape "
+                                                                      r"\(8, 4\) that the mod "
+                                                                      r"computed")):
         with pytest.raises(SpecError, match=text):
             trace_score(fn)
     with pytest.raises(ValueError, match=r"sm_scale=tensor\(0.1250\).*t.item\(\)"):
