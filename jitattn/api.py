@@ -3,6 +3,7 @@ reading indptr tensors that live on the GPU (pass them on the CPU to avoid that 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import dtypes, jit, launch, ops, render
@@ -158,6 +159,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if isinstance(sm_scale, torch.Tensor):  # (the op's float argument: torch's own error)
             raise ValueError("sm_scale is a tensor; expected a Python float > 0 (pass "
                              "sm_scale=t.item() outside the compiled code)")
+        if isinstance(sm_scale, (bool, np.bool_)):  # (the op's float() would take it as 1.0)
+            raise ValueError(f"sm_scale={sm_scale!r}: expected a finite number > 0 (as "
+                             f"float32)")
         o, s = ops.attention_traced(q, k, v, variant, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
                                     sm_scale=sm_scale, return_lse=True, params=params)
         return launch.into_outputs(o, s, out, lse, return_lse)

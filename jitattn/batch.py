@@ -298,7 +298,7 @@ class BatchPrefill:
             return_lse = bool_arg("return_lse", return_lse)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
             for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):  # (the op's float()
-                if isinstance(x, bool):  # would take True as 1.0, which run() refuses)
+                if isinstance(x, (bool, np.bool_)):  # would take True as 1.0: run() refuses it)
                     raise ValueError(f"{name}={x!r}: expected a finite Python float > 0")
             o, s = ops.wrapper_traced(self, q, _cache_tensors(kv_cache), params, num_outputs=2,
                                       extra_scalars=(k_scale, v_scale))

@@ -54,15 +54,16 @@ def variants_in(module: ModuleType) -> list[Variant]:
                     if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL,
                                                                p.VAR_KEYWORD)]
         if not required:
-            made = make()
+            made, source = make(), "make()"
         elif callable(getattr(module, "example", None)):
-            made = module.example(1, 2, 1, 16, 16, "cpu")[0]
+            made, source = module.example(1, 2, 1, 16, 16, "cpu"), "example()"
+            made = made[0] if isinstance(made, (tuple, list)) and made else made
         else:
             raise ValueError(f"{module.__file__}: make() takes arguments "
                              f"({', '.join(p.name for p in required)}) and the file has no "
                              f"example() to call it with")
         if not isinstance(made, Variant):
-            raise TypeError(f"{module.__file__}: make() returned {type(made).__name__}; "
+            raise TypeError(f"{module.__file__}: {source} returned {type(made).__name__}; "
                             f"expected a jitattn.Variant")
         found = [made]
     return found

@@ -127,8 +127,10 @@ def _compile(args) -> int:
         return 2
     try:
         variants = catalog.variants_in(module)
-    except (TypeError, ValueError, SpecError) as e:
-        print(f"jitattn compile: {e}", file=sys.stderr)
+    except (TypeError, ValueError, SpecError) as e:  # (from make() / example(): where in it)
+        where = _line_in(e, args.variant_file)
+        print(f"jitattn compile: {f'{args.variant_file}{where}: ' if where else ''}{e}",
+              file=sys.stderr)
         return 2
     except Exception as e:  # raised by the file's make() or example()
         print(f"jitattn compile: {args.variant_file}{_line_in(e, args.variant_file)}: "
@@ -157,9 +159,10 @@ def _line_in(error: BaseException, path: str) -> str:
     """", line N" of the last frame of ``error``'s traceback in the file at ``path`` (a
     SyntaxError's own line), or ""."""
     import traceback
-    if isinstance(error, SyntaxError) and error.lineno:
-        return f", line {error.lineno}"
     target = os.path.realpath(path)
+    if isinstance(error, SyntaxError) and error.lineno and error.filename and \
+            os.path.realpath(error.filename) == target:
+        return f", line {error.lineno}"
     lines = [f.lineno for f in traceback.extract_tb(error.__traceback__)
              if os.path.realpath(f.filename) == target]
     return f", line {lines[-1]}" if lines else ""

@@ -68,6 +68,11 @@ class _LockUnusable(OSError):
     """A key's lock file cannot be opened (a folder in its place, or not this user's)."""
 
 
+class _EntryStuck(OSError):
+    """A key's broken entry cannot be removed (another user's, or a folder this user cannot
+    list): publishing a new build over it would fail."""
+
+
 @contextlib.contextmanager
 def _held(lock, key: str):
     """A key's build lock. When another process holds it, JITATTN_DEBUG >= 1 says so at once,
@@ -100,8 +105,9 @@ def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = 
     """Binary path for ``src``: from the cache, or built under the key's lock and published.
     ``reject``: the sha256 of an entry that passed its checksum but did not load: it is built
     anew, unless another process did so while this one waited for the lock. When the key's
-    lock file cannot be opened (a folder in its place), the kernel is built in a private
-    temporary cache instead, with a warning. Returns (path, built: bool)."""
+    lock file cannot be opened (a folder in its place), or its broken entry cannot be removed
+    (another user's), the kernel is built in a private temporary cache instead, with a
+    warning. Returns (path, built: bool)."""
     cache = cache or Cache()
     key = cache_key(src, arch)
     binary = build.BINARY_NAME[src.lang]
@@ -113,8 +119,9 @@ def compile_cached(src: RenderedSource, arch: str | None, cache: Cache | None = 
     try:
         with _held(cache.lock(key), key):
             return _build_locked(src, arch, cache, key, binary, reject)
-    except _LockUnusable as e:
-        private = Cache(fallback_root(str(e), f"the locks of {cache.root}"))
+    except (_LockUnusable, _EntryStuck) as e:
+        private = Cache(fallback_root(str(e), f"the locks of {cache.root}"
+                                      if isinstance(e, _LockUnusable) else str(cache.entry(key))))
         with _held(private.lock(key), key):  # (threads of this process build the key once)
             return _build_locked(src, arch, private, key, binary, reject)
 
@@ -132,6 +139,11 @@ def _build_locked(src: RenderedSource, arch: str | None, cache: Cache, key: str,
     path = _usable(cache.load(key, binary, quiet=True), reject)  # built while we waited?
     if path is not None:
         return path, False
+    try:  # (before the build: publishing would remove the broken entry after it)
+        cache.remove(key)
+    except OSError as e:
+        raise _EntryStuck(f"the cache entry {cache.entry(key)} is broken and cannot be removed "
+                          f"({e}); remove it by hand") from e
     if env.debug_level() >= 4:
         print(src.code, file=sys.stderr)
     started = time.perf_counter()

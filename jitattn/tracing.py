@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from . import dtypes
 from .dsl import SYMBOLS, Expr, SpecError, TensorParam, _lift
@@ -40,15 +41,20 @@ class _Tracer:
     prefix: str = "captured"
     captured: list = field(default_factory=list)
     names: dict = field(default_factory=dict)  # id(tensor) -> the Python name it was found by
-    made: list = field(default_factory=list)  # tensors torch computed during the trace
+    made: list = field(default_factory=list)  # frozen tensors of the trace (_Computed)
+
+    def _frozen(self, t: torch.Tensor) -> bool:
+        """Whether t (or what it views) is data torch computed from a captured tensor while
+        the mod was traced (_Computed)."""
+        base = t if t._base is None else t._base
+        return any(m is t or m is base for m in self.made)
 
     def capture(self, t: torch.Tensor) -> TensorParam:
         for p in self.captured:
             if p.captured is t:
                 return p
         name = self.names.get(id(t))
-        base = t if t._base is None else t._base  # (a view of a captured tensor reads live
-        if any(m is base for m in self.made):      # data; one of a computed tensor does not)
+        if self._frozen(t):
             raise SpecError(f"a tensor of shape {tuple(t.shape)} that the mod computed while "
                             f"it was traced (from a captured one: (t * 4.0)[h], t.float()[h], "
                             f"t.T.contiguous()[h, k]) would keep the values it had then, "
@@ -78,7 +84,7 @@ class _Tracer:
             if p.scalar_of is t:
                 return p[0]
         name = self.names.get(id(t))
-        if any(m is t for m in self.made):  # (1 / t, t.exp(): torch computed it once, here)
+        if self._frozen(t):  # (1 / t, t.exp(): torch computed it once, here)
             raise SpecError(f"a 0-d tensor ({t.item()!r}) that the mod computed while it was "
                             f"traced would keep that value at every call (a captured 0-d "
                             f"tensor is read per call): write the arithmetic on the traced "
@@ -130,19 +136,49 @@ def current() -> _Tracer:
     return tracer
 
 
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of t's storage (views share it), or None for a tensor without one."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class _Computed(TorchFunctionMode):
-    """Keeps the tensors torch computes while a mod is traced (1 / t or t * 4.0 of a captured
-    t): such a value is the trace's, and capture / capture_scalar refuse it rather than read
-    it per call (held, so that no other tensor takes its id)."""
+    """Sorts the tensors torch computes while a mod is traced. Frozen: new data computed from
+    a tensor that existed before the trace (a captured one: 1 / t, t * 4.0, t.T.contiguous())
+    or from a frozen one, or a view of a frozen one; capture / capture_scalar refuse these,
+    whose values would be the trace's where a captured tensor is read per call. Constant: new
+    data from no tensor, or from constants only (torch.arange(8), ja.alibi_slopes(8)), or a
+    view of one: captured as they are. Anything else aliases a tensor from before the trace
+    (t.float() of a float32 t, t.detach(), t.view(2, 1), t[0]) and reads its live data.
+    ``made`` holds the frozen ones, ``constants`` the constant ones (held: no other tensor
+    takes their ids)."""
 
     def __init__(self, made: list):
         super().__init__()
-        self.made = made
+        self.made, self.constants = made, []
+
+    def _is(self, group: list, t) -> bool:
+        return any(m is t for m in group)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            self.made.append(out)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
+        if outs:
+            ins = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+            for o in outs:
+                if any(o is x for x in ins):
+                    continue  # (the input itself: its kind stays)
+                at = _storage(o)
+                shared = [x for x in ins if at is not None and _storage(x) == at]
+                sources = shared or ins  # (a view follows what it views)
+                if any(self._is(self.made, x) for x in sources) or (
+                        not shared and any(not self._is(self.constants, x) for x in ins)):
+                    self.made.append(o)
+                elif all(self._is(self.constants, x) for x in sources):
+                    self.constants.append(o)
         return out
 
 
@@ -213,9 +249,14 @@ def trace(fn, kind: str) -> Traced:
         src = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
     except (OSError, TypeError):
         src = "<unknown>"
+    returned = None
     try:
         with _Computed(_LOCAL.tracer.made):
             out = fn(*args)
+            try:  # (under this trace's tracer: a returned 0-d tensor is captured, or refused
+                out = _lift(out)  # as computed, here, not by the thread's default tracer)
+            except SpecError as e:  # e.g. the mod returned None
+                returned = e
     except SpecError as e:
         raise SpecError(f"{label} (defined at {src}{_offending_line(e)}): {e}") from None
     except RecursionError:
@@ -226,11 +267,9 @@ def trace(fn, kind: str) -> Traced:
                         f"ja.* functions are supported") from e
     finally:
         _LOCAL.tracer = outer
-    try:
-        out = _lift(out)
-    except SpecError as e:  # e.g. the mod returned None
+    if returned is not None:
         raise SpecError(f"{label} (defined at {src}) returned something other than an "
-                        f"expression: {e}") from None
+                        f"expression: {returned}") from None
     depth, size = _depth_and_size(out)
     if depth > MAX_DEPTH or size > MAX_OPERATIONS:
         raise SpecError(f"{label} (defined at {src}): the expression is {depth} operations deep "

@@ -542,6 +542,20 @@ def test_an_unreadable_entry_is_rebuilt_and_clear_names_what_it_leaves(fresh_cac
         again, built = jit.compile_cached(_src(), None)
     assert built and again == path and f"cache entry {path.parent.name} cannot be read" in \
         caplog.text
+    # one that cannot be removed either (another user's): built privately before any
+    # compile work is lost (publishing over it failed after every build)
+    real_remove = Cache.remove
+
+    def stuck(self, key):
+        if self.root == fresh_cache:
+            raise PermissionError(13, "Permission denied")
+        real_remove(self, key)
+    with monkeypatch.context() as m:
+        m.setattr(Path, "is_symlink", unreadable)
+        m.setattr(Cache, "remove", stuck)
+        private, built = jit.compile_cached(_src(), None)
+    assert built and fresh_cache not in private.parents and \
+        "is broken and cannot be removed" in caplog.text
     monkeypatch.setattr(cache_mod.shutil, "rmtree", lambda *a, **k: None)
     with pytest.raises(OSError, match=r"removed 0 entries; 1 left: .* \(permissions\)"):
         Cache().clear()

@@ -364,3 +364,8 @@ def test_a_bool_scale_is_refused_under_compile_as_eagerly():
                              backend="aot_eager", fullgraph=True)
     with pytest.raises(Exception, match="k_scale=True: expected a finite Python float"):
         compiled(q, *cache)
+    torch._dynamo.reset()  # attention()'s sm_scale alike
+    variant = ja.Variant("p", mask="causal")
+    with pytest.raises(Exception, match="sm_scale=True: expected a finite number"):
+        torch.compile(lambda q: ja.attention(q, q, q, variant, sm_scale=True),
+                      backend="aot_eager", fullgraph=True)(torch.randn(3, 2, 64).half())

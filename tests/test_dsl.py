@@ -550,3 +550,38 @@ def test_a_literal_negative_index_wraps_as_in_torch():
     q, k = torch.randn(9, 2, 64, generator=gen).half(), torch.randn(11, 2, 64, generator=gen).half()
     torch.testing.assert_close(ja.attention(q, k, k, last), ja.attention(q, k, k, row2),
                                rtol=0, atol=0)
+
+
+def test_views_and_constants_made_in_a_mod_are_not_refused_as_computed():
+    """A review's cases, refused by the first version of the computed-table check: what
+    aliases a captured tensor reads its live data; what is made from constants alone is a
+    constant. Each is checked against its plain form after the captured tensor changes."""
+    bias, tab = torch.tensor([1.0, 2.0]), torch.randn(3)
+    param = torch.nn.Parameter(bias.clone())
+    mods = {
+        "float_identity": lambda s, b, h, q, k: s + bias.float()[h] + bias[h],
+        "detach": lambda s, b, h, q, k: s + bias.detach()[h] + param.detach()[h] + param.data[h],
+        "view": lambda s, b, h, q, k: s + bias.view(2, 1)[h, 0] + s * bias[0],
+        "last": lambda s, b, h, q, k: ja.where(k < tab[-1], s, -s),
+        "constants": lambda s, b, h, q, k: s + (torch.arange(8) * 2)[h] +
+        ja.alibi_slopes(8)[h] * (k - q),
+    }
+    variants = {name: ja.Variant(name, mask="none", score_mod=fn) for name, fn in mods.items()}
+    bias.fill_(3.0)
+    with torch.no_grad():
+        param.fill_(3.0)
+    tab.fill_(4.5)
+    slopes = ja.alibi_slopes(8)
+    plain = {
+        "float_identity": lambda s, b, h, q, k: s + 6.0,
+        "detach": lambda s, b, h, q, k: s + 9.0,
+        "view": lambda s, b, h, q, k: s + 3.0 + s * 3.0,
+        "last": lambda s, b, h, q, k: ja.where(k < 4.5, s, -s),
+        "constants": lambda s, b, h, q, k: s + h * 2 + slopes[h] * (k - q),
+    }
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(9, 2, 64, generator=gen).half(), torch.randn(11, 2, 64, generator=gen).half()
+    for name, variant in variants.items():
+        want = ja.attention(q, k, k, ja.Variant(name, mask="none", score_mod=plain[name]))
+        torch.testing.assert_close(ja.attention(q, k, k, variant), want, atol=2e-3, rtol=0,
+                                   msg=name)
