@@ -206,9 +206,10 @@ def _tune(args) -> int:
         print("jitattn tune needs a CUDA GPU (or --cpu)", file=sys.stderr)
         return 2
     hq, hkv = args.heads
-    if not (1 <= hkv <= hq <= 65535) or hq % hkv:  # (the planner's limit on heads)
+    from .batch_inputs import MAX_HEADS  # (the planner's limit on heads)
+    if not (1 <= hkv <= hq <= MAX_HEADS) or hq % hkv:
         print(f"jitattn tune: --heads {hq} {hkv}: expected NUM_QO_HEADS and NUM_KV_HEADS in "
-              f"1 .. 65535, the first a multiple of the second", file=sys.stderr)
+              f"1 .. {MAX_HEADS}, the first a multiple of the second", file=sys.stderr)
         return 2
     unusable = Cache().fallback_reason
     if unusable is not None and not args.quick:  # (before minutes of measurement are lost)

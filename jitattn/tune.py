@@ -154,8 +154,9 @@ def measure(device, *, quick: bool = False, num_qo_heads: int = 16, num_kv_heads
     (before any timing)."""
     from . import bench, bench_shared
     from .args import int_arg
-    num_qo_heads = int_arg("num_qo_heads", num_qo_heads, maximum=65535)
-    num_kv_heads = int_arg("num_kv_heads", num_kv_heads, maximum=65535)
+    from .batch_inputs import MAX_HEADS
+    num_qo_heads = int_arg("num_qo_heads", num_qo_heads, maximum=MAX_HEADS)
+    num_kv_heads = int_arg("num_kv_heads", num_kv_heads, maximum=MAX_HEADS)
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads "
                          f"({num_kv_heads})")
