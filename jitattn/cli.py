@@ -106,6 +106,23 @@ def _arch(text: str) -> str:
     return text
 
 
+def _one_of(allowed: tuple, convert=str):
+    """An option's type for a list option (nargs="+") with ``allowed`` values; a file name
+    there is the variant file after the options, which the list took: the message says so."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value not in allowed:
+            hint = " (the variant file goes before the options: jitattn compile FILE " \
+                   "--head-dim 64 128)" if text.endswith(".py") else ""
+            raise argparse.ArgumentTypeError(f"{text!r}: expected one of "
+                                             f"{', '.join(map(str, allowed))}{hint}")
+        return value
+    return parse
+
+
 def _cuda() -> bool:
     import torch
     return torch.cuda.is_available()
@@ -246,12 +263,15 @@ def main(argv=None) -> int:
     b = sub.add_parser("compile", help="build the kernels of a variant file into the cache")
     b.add_argument("variant_file", help="a Python file that defines Variants at module level "
                    "or a make() returning one (variants/*.py)")
-    b.add_argument("--head-dim", type=int, nargs="+", default=[128], choices=render.HEAD_DIMS,
+    b.add_argument("--head-dim", type=_one_of(render.HEAD_DIMS, int), nargs="+", default=[128],
+                   metavar="{" + ",".join(map(str, render.HEAD_DIMS)) + "}",
                    help="head dims to build (default: 128)")
-    b.add_argument("--dtype", nargs="+", default=["f16", "bf16"], choices=["f16", "bf16"],
+    b.add_argument("--dtype", type=_one_of(("f16", "bf16")), nargs="+",
+                   default=["f16", "bf16"], metavar="{f16,bf16}",
                    help="CUDA kernels' q dtypes (default: both; the CPU library holds every "
                    "dtype)")
-    b.add_argument("--kind", nargs="+", default=list(render.KINDS), choices=render.KINDS,
+    b.add_argument("--kind", type=_one_of(tuple(render.KINDS)), nargs="+",
+                   default=list(render.KINDS), metavar="{" + ",".join(render.KINDS) + "}",
                    help=f"kernel kinds (default: {' '.join(render.KINDS)})")
     b.add_argument("--arch", type=_arch, help="CUDA target, e.g. sm_90a, sm_80 (default: the "
                    "first visible GPU's, the one the runtime looks up; without a GPU, sm_90a)")

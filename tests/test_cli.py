@@ -200,3 +200,15 @@ def test_tune_refuses_before_measuring_when_the_table_cannot_be_saved(tmp_path, 
     monkeypatch.setattr(tune, "measure", lambda *a, **k: pytest.fail("measured"))
     assert cli.main(["tune", "--cpu"]) == 1
     assert "is not a directory); the table could not be saved" in capsys.readouterr().err
+
+
+def test_options_before_the_variant_file_are_explained(capsys):
+    """`jitattn compile --head-dim 64 file.py`: the list option took the file, and argparse
+    said only "invalid int value: 'file.py'"."""
+    variant_file = str(env.variants_dir() / "alibi.py")
+    with pytest.raises(SystemExit):
+        cli.main(["compile", "--head-dim", "64", variant_file, "--cpu"])
+    assert "the variant file goes before the options" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["compile", variant_file, "--head-dim", "96", "--cpu"])
+    assert "'96': expected one of 32, 64, 128, 256" in capsys.readouterr().err
