@@ -9,7 +9,8 @@ Nothing runs at import time.
 
 __version__ = "0.1.0"
 
-from .dsl import IntOverflowWarning, SpecError, abs_ as abs, exp, log, maximum, minimum, scalar, sigmoid, tanh, tensor, where  # noqa: E501
+from .dsl import IntOverflowWarning, SpecError, abs_ as abs, exp, log, maximum, minimum, sigmoid, tanh, where  # noqa: E501
+from .params import scalar, tensor
 from .mods import alibi_slopes, soft_cap
 from .spec import RoPE, Variant
 from .build import CompileError

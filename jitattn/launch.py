@@ -17,7 +17,7 @@ import torch
 
 from . import dtypes, jit, load, render
 from .args import positive_f32
-from .dsl import ScalarParam
+from .params import ScalarParam
 
 
 def resolve_sm_scale(sm_scale, head_dim: int) -> float:

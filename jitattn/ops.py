@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 import torch
 
-from .dsl import ScalarParam
+from .params import ScalarParam
 from .spec import _CAPTURED, ON_CREATE, PER_OBJECT, Variant
 
 _VARIANTS: "weakref.WeakValueDictionary[int, Variant]" = weakref.WeakValueDictionary()

@@ -43,6 +43,11 @@ _FLASHINFER_CTOR = {
 }
 
 
+# flash-attn's window_size in a Variant's fields (said by attention()'s and Variant()'s hints)
+_WINDOW_SIZE = ("flash-attn's window_size=(left, 0) is mask='causal', window_left=left; "
+                "(left, -1) is mask='none', window_left=left")
+
+
 # keywords of SDPA's, FlexAttention's or FlashInfer's attention calls that reach a jitattn call's
 # variant parameters (spec.Variant.check_param_names): where each lives here
 CALL_KEYWORDS_ELSEWHERE = {
@@ -63,9 +68,7 @@ CALL_KEYWORDS_ELSEWHERE = {
     "max_seqlen_k": "not needed: read from kv_indptr",
     "softmax_scale": "sm_scale= here",
     "softcap": _FLASHINFER_PLAN["logits_soft_cap"],
-    "window_size": "the Variant's window_left (flash-attn's window_size=(left, 0) is "
-                   "Variant(..., mask='causal', window_left=left); (left, -1) is "
-                   "mask='none', window_left=left)",
+    "window_size": f"the Variant's window_left ({_WINDOW_SIZE})",
     "alibi_slopes": "the Variant's score_mod (README: a captured slopes tensor)",
     "return_softmax_lse": "return_lse= here",
     "return_attn_probs": "not taken: jitattn returns out and, with return_lse=True, lse",
@@ -88,14 +91,24 @@ VARIANT_KEYWORDS_ELSEWHERE = {
     "sliding_window": "window_left= sliding_window - 1 (transformers' and FlexAttention's "
                       "window counts the query's own key; keys with q_idx - kv_idx > "
                       "window_left are hidden)",
-    "window_size": "window_left= (flash-attn's window_size=(left, 0) is mask='causal', "
-                   "window_left=left; (left, -1) is mask='none', window_left=left)",
+    "window_size": f"window_left= ({_WINDOW_SIZE})",
     "logits_soft_cap": "score_mod=ja.soft_cap(cap)",
     "softcap": "score_mod=ja.soft_cap(cap)",
     "block_mask": "mask_mod= (the function, not a BlockMask)",
     "scale": "the call's sm_scale= (attention(..., sm_scale=), plan(..., sm_scale=))",
     "sm_scale": "the call's sm_scale= (attention(..., sm_scale=), plan(..., sm_scale=))",
 }
+
+
+def variant_keywords(unknown, fields) -> TypeError:
+    """The TypeError for Variant() keywords that are not among its ``fields`` (in order), with
+    a hint for those that are another library's way of saying a field (causal=,
+    sliding_window=, logits_soft_cap=, ...)."""
+    unknown = sorted(unknown)
+    hints = "".join(f"; {name}= is {VARIANT_KEYWORDS_ELSEWHERE[name]}" for name in unknown
+                    if name in VARIANT_KEYWORDS_ELSEWHERE)
+    return TypeError(f"Variant() got unexpected keyword arguments {unknown}; it takes "
+                     f"{list(fields)}{hints}")
 
 
 def unexpected_keywords(owner: str, unknown, accepted, kv_dtype: bool = True) -> TypeError:

@@ -15,7 +15,7 @@ from functools import lru_cache
 import jinja2
 
 from . import __version__, dtypes, emit, env
-from .dsl import ScalarParam
+from .params import ScalarParam
 from .spec import Variant
 
 HEAD_DIMS = (32, 64, 128, 256)

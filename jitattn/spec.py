@@ -27,9 +27,10 @@ import torch
 
 from . import dsl, tracing
 from .args import int_arg
-from .dsl import ScalarParam, SpecError, TensorParam
+from .dsl import SpecError
+from .params import ScalarParam, TensorParam
 from .emit import FLOAT32_MAX
-from .porting import CALL_KEYWORDS_ELSEWHERE, VARIANT_KEYWORDS_ELSEWHERE
+from .porting import CALL_KEYWORDS_ELSEWHERE, variant_keywords
 
 # captured tensors as a torch.compile graph passed them to a jitattn op (ops.py), by parameter
 # name: their current values, where the Variant's own tensor may not have received an in-place
@@ -449,12 +450,9 @@ _dataclass_init = Variant.__init__
 def _variant_init(self, *args, **kwargs):
     """Variant's own __init__ (the dataclass's), with a hint for keywords that are another
     library's way of saying a field (causal=, sliding_window=, logits_soft_cap=, ...)."""
-    unknown = sorted(set(kwargs) - _VARIANT_FIELDS)
+    unknown = set(kwargs) - _VARIANT_FIELDS
     if unknown:
-        hints = "".join(f"; {name}= is {VARIANT_KEYWORDS_ELSEWHERE[name]}" for name in unknown
-                        if name in VARIANT_KEYWORDS_ELSEWHERE)
-        raise TypeError(f"Variant() got unexpected keyword arguments {unknown}; it takes "
-                        f"{sorted(_VARIANT_FIELDS, key=_FIELD_ORDER.index)}{hints}")
+        raise variant_keywords(unknown, _FIELD_ORDER)
     _dataclass_init(self, *args, **kwargs)
 
 

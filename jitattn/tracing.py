@@ -18,7 +18,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from . import dtypes
-from .dsl import SYMBOLS, Expr, SpecError, TensorParam, _lift
+from .dsl import SYMBOLS, Expr, SpecError, _lift
+from .params import TensorParam
 from .emit import emit_cpp
 
 

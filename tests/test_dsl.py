@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import jitattn as ja
-from jitattn import dsl, reference, tracing
+from jitattn import dsl, params, reference, tracing
 from jitattn.evaluate import evaluate
 from jitattn.dsl import SpecError
 
@@ -313,11 +313,11 @@ def test_minimum_and_maximum_carry_nan_as_torch_does():
 def test_tensor_shape_entries_are_ints_or_symbols():
     """numpy ints are ints (refused, as "must be a positive int"); a bool is not a size (True
     was a dimension of 1)."""
-    assert dsl.tensor("t", (np.int64(5), "kv_len")).shape == (5, "kv_len")
+    assert params.tensor("t", (np.int64(5), "kv_len")).shape == (5, "kv_len")
     for bad in (True, 0, 2.0, "len", None):
         with pytest.raises(SpecError, match=re.escape(f"shape entry {bad!r} must be a positive "
                                                       f"int")):
-            dsl.tensor("t", (bad,))
+            params.tensor("t", (bad,))
 
 
 def test_variants_traced_in_two_threads_capture_their_own_tensors():
