@@ -107,20 +107,29 @@ def _arch(text: str) -> str:
 
 
 def _one_of(allowed: tuple, convert=str):
-    """An option's type for a list option (nargs="+") with ``allowed`` values; a file name
-    there is the variant file after the options, which the list took: the message says so."""
+    """An option's type for a list option (nargs="+") with ``allowed`` values."""
     def parse(text: str):
         try:
             value = convert(text)
         except ValueError:
             value = None
         if value not in allowed:
-            hint = " (the variant file goes before the options: jitattn compile FILE " \
-                   "--head-dim 64 128)" if text.endswith(".py") else ""
             raise argparse.ArgumentTypeError(f"{text!r}: expected one of "
-                                             f"{', '.join(map(str, allowed))}{hint}")
+                                             f"{', '.join(map(str, allowed))}")
         return value
     return parse
+
+
+def _file_first(argv: list) -> list:
+    """compile's arguments with its variant file (the first argument ending in .py) moved
+    before the options: after a list option (--head-dim 64 128) argparse would take it as one
+    of the list's values."""
+    if argv[:1] == ["compile"]:
+        files = [i for i, a in enumerate(argv) if a.endswith(".py") and not a.startswith("-")]
+        if files and files[0] > 1:
+            i = files[0]
+            return [argv[0], argv[i], *argv[1:i], *argv[i + 1:]]
+    return argv
 
 
 def _cuda() -> bool:
@@ -300,7 +309,7 @@ def main(argv=None) -> int:
                    metavar=("NUM_QO_HEADS", "NUM_KV_HEADS"))
     t.add_argument("--head-dim", type=int, default=128, choices=render.HEAD_DIMS)
     t.set_defaults(fn=_tune)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_file_first(list(sys.argv[1:] if argv is None else argv)))
     if args.command == "compile" and not args.cpu and env.nvcc_path() is None:
         print("jitattn compile: nvcc not found; use --cpu or install the CUDA toolkit",
               file=sys.stderr)

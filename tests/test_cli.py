@@ -202,13 +202,17 @@ def test_tune_refuses_before_measuring_when_the_table_cannot_be_saved(tmp_path, 
     assert "is not a directory); the table could not be saved" in capsys.readouterr().err
 
 
-def test_options_before_the_variant_file_are_explained(capsys):
+def test_options_before_the_variant_file(capsys, monkeypatch):
     """`jitattn compile --head-dim 64 file.py`: the list option took the file, and argparse
-    said only "invalid int value: 'file.py'"."""
+    said only "invalid int value: 'file.py'"; now the file may come anywhere."""
     variant_file = str(env.variants_dir() / "alibi.py")
-    with pytest.raises(SystemExit):
-        cli.main(["compile", "--head-dim", "64", variant_file, "--cpu"])
-    assert "the variant file goes before the options" in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr(cli, "_compile", lambda args: seen.append(args) or 0)
+    assert cli.main(["compile", "--head-dim", "64", "128", variant_file, "--cpu"]) == 0
+    assert cli.main(["compile", "--cpu", "--kind", "decode", variant_file]) == 0
+    assert [(a.variant_file, a.head_dim, a.kind, a.cpu) for a in seen] == [
+        (variant_file, [64, 128], list(render.KINDS), True),
+        (variant_file, [128], ["decode"], True)]
     with pytest.raises(SystemExit):
         cli.main(["compile", variant_file, "--head-dim", "96", "--cpu"])
     assert "'96': expected one of 32, 64, 128, 256" in capsys.readouterr().err
