@@ -48,9 +48,22 @@ def _doctor(args) -> int:
     else:
         print("cupy: not installed (needed only without nvcc, for NVRTC: "
               "pip install 'jitattn[cuda]')")
+    unmade = _unmade_cache()
+    if unmade:
+        print(f"cache: {unmade}")
+        return 0
     cache = Cache()
     print(f"cache: {_where(cache)}, {_entries(len(cache.entries()))}")
     return 0
+
+
+def _unmade_cache() -> str | None:
+    """The cache root and that it does not exist yet, or None where it exists: doctor and
+    `cache ls | clear` report a missing root rather than make it (Cache() makes it)."""
+    root = env.cache_dir()
+    if root.exists() or root.is_symlink():
+        return None
+    return f"{root} (not made yet: the first build makes it), no entries"
 
 
 def _banner(lang: str) -> str:
@@ -77,6 +90,10 @@ def _where(cache: Cache) -> str:
 
 
 def _cache(args) -> int:
+    unmade = _unmade_cache()
+    if unmade:
+        print(f"nothing to remove: {unmade}" if args.action == "clear" else unmade)
+        return 0
     cache = Cache()
     if args.action == "clear":
         try:

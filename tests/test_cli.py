@@ -9,6 +9,19 @@ import pytest
 from jitattn import catalog, cli, env, jit, render
 
 
+def test_reports_do_not_make_the_cache(tmp_path, monkeypatch, capsys):
+    """doctor, `cache ls` and `cache clear` report a cache folder that does not exist yet
+    rather than make it (a report that changes the disk, and a root left by a mistyped
+    JITATTN_CACHE_DIR)."""
+    root = tmp_path / "never" / "made"
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(root))
+    for argv in (["doctor"], ["cache", "ls"], ["cache", "clear"]):
+        assert cli.main(argv) == 0
+        assert f"{root} (not made yet: the first build makes it), no entries" in \
+            capsys.readouterr().out
+    assert not (tmp_path / "never").exists()
+
+
 def test_doctor(capsys):
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
