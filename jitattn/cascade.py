@@ -43,14 +43,23 @@ class MultiLevelCascade:
     _LEVEL_KEYWORDS = CAPACITY_NAMES + ("split_kv", "query_tile")  # passed on to the levels
     _CALL = "{cls}(variant, num_levels, "  # the constructor's call up to page_size (hints)
 
-    def __init__(self, variant: Variant, num_levels: int, page_size: int = 16,
-                 kv_layout: str = "NHD", *, device=None, **capacities):
+    def _refuse_unknown(self, capacities: dict) -> None:
+        """TypeError for constructor keywords that are neither parameters nor the levels'
+        capacities (else Python names BatchPrefill.__init__, or a clash with a positional)."""
         unknown = set(capacities) - set(self._LEVEL_KEYWORDS)
-        if unknown:  # (else Python names BatchPrefill.__init__)
+        if unknown:
             named = [n for n, p in inspect.signature(type(self).__init__).parameters.items()
                      if p.default is not inspect.Parameter.empty]
-            raise unexpected_keywords(type(self).__name__, unknown,
-                                      named + list(self._LEVEL_KEYWORDS), kv_dtype=False)
+            error = unexpected_keywords(type(self).__name__, unknown,
+                                        named + list(self._LEVEL_KEYWORDS), kv_dtype=False)
+            if "num_levels" in unknown:
+                error.args = (f"{error.args[0]} (CascadeDecode has two levels; "
+                              f"MultiLevelCascade(variant, num_levels) takes any number)",)
+            raise error
+
+    def __init__(self, variant: Variant, num_levels: int, page_size: int = 16,
+                 kv_layout: str = "NHD", *, device=None, **capacities):
+        self._refuse_unknown(capacities)
         if not isinstance(variant, Variant):
             raise not_a_variant(variant, type(self).__name__)
         num_levels = int_arg("num_levels", num_levels)
@@ -286,6 +295,7 @@ class CascadeDecode(MultiLevelCascade):
 
     def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD", *,
                  strategy: str = "auto", device=None, **capacities):
+        self._refuse_unknown(capacities)
         if strategy not in ("auto", "cascade", "plain"):
             raise ValueError(f"strategy={strategy!r}: expected 'auto', 'cascade' or 'plain'")
         if kv_layout not in ("NHD", "HND", "ragged"):

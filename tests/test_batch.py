@@ -475,6 +475,11 @@ def test_query_tile_is_checked():
     with pytest.raises(TypeError, match=r"CascadeDecode\(\) got unexpected keyword arguments "
                                         r"\['query_tile'\]"):  # (its levels decode)
         ja.CascadeDecode(ja.Variant("c"), device="cpu", query_tile="short")
+    with pytest.raises(TypeError, match=r"CascadeDecode\(\) got unexpected keyword arguments "
+                                        r"\['num_levels'\].*MultiLevelCascade\(variant, "
+                                        r"num_levels\) takes any number"):  # (was a clash
+        #                                           with the base class's positional num_levels)
+        ja.CascadeDecode(ja.Variant("c"), device="cpu", num_levels=2)
     assert ja.BatchDecode(ja.Variant("c"), device="cpu", max_batch_size=8,
                           split_kv=False).capacity["max_batch_size"] == 8
 
