@@ -10,6 +10,7 @@ from . import dtypes, jit, launch, ops, render
 from .args import bool_arg, not_a_variant, warn_no_grad
 from .plan import check_seq_lens
 from .render import HEAD_DIMS
+from .run_inputs import q_strides_error, q_strides_fit
 from .spec import Variant
 
 _MAX_GRID_Y = 65535
@@ -82,13 +83,8 @@ def _check_qkv(q, k, v) -> None:
                          ("; if they are [heads, tokens, head_dim], .transpose(0, 1) them)"
                           if swapped else ")"))
     for name, t in (("q", q), ("k", k), ("v", v)):
-        # 16-byte vector loads: the last dim contiguous, row strides multiples of 8 elements
-        s0, s1, s2 = t.stride()
-        if s2 != 1 or s0 % 8 or s1 % 8 or t.data_ptr() % 16:
-            raise ValueError(f"{name} has strides {t.stride()} (data pointer "
-                             f"{t.data_ptr():#x}); expected the last dimension contiguous, "
-                             f"the other strides multiples of 8 elements and a 16-byte "
-                             f"aligned pointer (call .contiguous())")
+        if not q_strides_fit(t):  # (16-byte vector loads)
+            raise q_strides_error(name, t)
 
 
 def _host_indptr(name: str, indptr, total: int, rows_of: str) -> list[int]:

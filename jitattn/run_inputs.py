@@ -34,6 +34,20 @@ def kv_strides_fit(t: torch.Tensor) -> bool:
         and not t.data_ptr() % 16
 
 
+def q_strides_fit(t: torch.Tensor) -> bool:
+    """Whether the kernels can read q-like tensor ``t`` [rows, heads, head_dim] with 16-byte
+    vector loads: its last dim contiguous, its other strides multiples of 8 elements, its
+    start 16-byte aligned."""
+    s0, s1, s2 = t.stride()
+    return s2 == 1 and not s0 % 8 and not s1 % 8 and not t.data_ptr() % 16
+
+
+def q_strides_error(name: str, t: torch.Tensor) -> ValueError:
+    return ValueError(f"{name} has strides {t.stride()} (data pointer {t.data_ptr():#x}); "
+                      f"expected the last dimension contiguous, the other strides multiples "
+                      f"of 8 elements and a 16-byte aligned pointer (call .contiguous())")
+
+
 class RunInputs:
     """What run() accepts after one plan(): q [total_q, num_qo_heads, head_dim] of q_dtype and
     K/V caches whose pages (NHD [page_size, Hkv, D], HND [Hkv, page_size, D]) or ragged rows
@@ -130,7 +144,5 @@ class RunInputs:
                     "shared_prefix_start + shared_prefix_len - 1)" if self.shared_prefixes else ""
                 raise ValueError(f"the plan refers to {unit} {self.max_page}{where} but {name} "
                                  f"has {c.shape[0]} {unit}s (dim 0)")
-        s0, s1, s2 = q.stride()
-        if s2 != 1 or s0 % 8 or s1 % 8 or q.data_ptr() % 16:
-            raise ValueError(f"q has strides {q.stride()}; expected the last dim contiguous, "
-                             f"other strides multiples of 8, 16-byte aligned")
+        if not q_strides_fit(q):
+            raise q_strides_error("q", q)

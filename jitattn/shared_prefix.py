@@ -49,7 +49,7 @@ from .merge import merge_state_in_place
 from .plan import check_seq_lens
 from .prefix import multi_item_metadata
 from .render import QUERY_TILES, tiles_for
-from .run_inputs import kv_strides_fit
+from .run_inputs import kv_strides_fit, q_strides_error, q_strides_fit
 from .spec import Variant
 
 STRATEGIES = ("naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
@@ -386,6 +386,8 @@ class SharedPrefixPrefill:
                 raise ValueError(f"{name} is on {t.device}; the wrapper was built for "
                                  f"{self.device}")
         q, k, v = warn_no_grad("SharedPrefixPrefill.run", q, k, v)
+        if not q_strides_fit(q):  # (naive gathers q's rows, the others read q directly)
+            raise q_strides_error("q", q)
         for name, t in (("k", k), ("v", v)):  # (else a strategy's inner call names k_cache, in
             #                                     its own layout's strides)
             if not kv_strides_fit(t):

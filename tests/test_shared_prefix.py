@@ -281,9 +281,10 @@ def test_capacity_errors_read_the_same_from_every_planner():
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_k_and_v_strides_are_named_as_given(strategy):
-    """k / v with strides the kernels cannot address are refused as "k" / "v" in the caller's
-    layout (a strategy's inner wrapper named k_cache, with its own layout's strides)."""
+def test_q_k_and_v_strides_are_named_as_given(strategy):
+    """q / k / v with strides the kernels cannot address are refused as "q" / "k" / "v" in the
+    caller's layout (a strategy's inner wrapper named k_cache, with its own layout's strides;
+    naive took a q that every other strategy refused, since it gathers q's rows)."""
     sp = SharedPrefixPrefill(ja.Variant("strided_kv", mask="causal"), strategy, device="cpu")
     sp.plan(20, [5, 3], 4, 2, 64)
     q, k = torch.randn(28, 4, 64).half(), torch.randn(28, 2, 64).half()
@@ -293,3 +294,7 @@ def test_k_and_v_strides_are_named_as_given(strategy):
         sp.run(q, strided, k)
     with pytest.raises(ValueError, match=r"^v has strides \(256, 128, 2\)"):
         sp.run(q, k, strided)
+    with pytest.raises(ValueError, match=r"^q has strides \(512, 128, 2\) \(data pointer "
+                                         r"0x[0-9a-f]+\); expected the last dimension "
+                                         r"contiguous, the other strides multiples of 8 elements"):
+        sp.run(torch.randn(28, 4, 128).half()[:, :, ::2], k, k)
