@@ -21,16 +21,19 @@ from .args import warn_no_grad
 _O_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_state(name: str, o, lse, n_dims: int | None = None) -> None:
+def _check_state(name: str, o, lse, stacked: bool = False) -> None:
+    """stacked: o is [n, rows..., head_dim], n states of the same rows (merge_states)."""
     if not isinstance(o, torch.Tensor) or not isinstance(lse, torch.Tensor):
         raise TypeError(f"{name}: o and lse must be torch.Tensors")
     if o.dtype not in _O_DTYPES:
         raise TypeError(f"{name}: o has dtype {o.dtype}; expected float16, bfloat16 or float32")
     if lse.dtype != torch.float32:
         raise TypeError(f"{name}: lse has dtype {lse.dtype}; expected torch.float32")
-    if o.dim() < 2:
-        raise ValueError(f"{name}: o must be [rows..., head_dim] with at least one row "
-                         f"dimension, got {tuple(o.shape)} (one row: o[None], lse[None])")
+    if o.dim() < 2 + stacked:
+        hint = (" (n states of one row: o[:, None], lse[:, None])" if o.dim() == 2 else "") \
+            if stacked else " (one row: o[None], lse[None])"
+        raise ValueError(f"{name}: o must be [{'n, ' * stacked}rows..., head_dim] with at least "
+                         f"one row dimension, got {tuple(o.shape)}{hint}")
     if tuple(lse.shape) != tuple(o.shape[:-1]):
         raise ValueError(f"{name}: lse must have o's shape without the last dimension; got o "
                          f"{tuple(o.shape)}, lse {tuple(lse.shape)}")
@@ -49,14 +52,10 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, reduction: str = "softma
     Returns (o_merged [..., head_dim] in o's dtype, lse_merged [...] float32).
     Raises TypeError / ValueError for wrong dtypes, shapes, devices or strides.
     """
-    _check_state("merge_states", o, lse)
+    _check_state("merge_states", o, lse, stacked=True)
     o, lse = warn_no_grad("merge_states", o, lse)
     if reduction not in ("softmax", "sigmoid"):
         raise ValueError(f"reduction={reduction!r}: expected 'softmax' or 'sigmoid'")
-    if o.dim() < 3:
-        raise ValueError(f"merge_states: o must be [n, rows..., head_dim] with at least one row "
-                         f"dimension, got {tuple(o.shape)} (n states of one row: o[:, None], "
-                         f"lse[:, None])")
     out = torch.empty(o.shape[1:], dtype=o.dtype, device=o.device)
     lse_out = torch.empty(lse.shape[1:], dtype=torch.float32, device=o.device)
     return merge_states_into(o, lse, out, lse_out, reduction)

@@ -113,6 +113,34 @@ def _indptr(lens) -> torch.Tensor:
     return _i32(np.concatenate([[0], np.cumsum(lens)]))
 
 
+def _batch_args(prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim) -> tuple:
+    """plan()'s and choose()'s batch arguments checked: (prefix_len, suffix_lens as a list of
+    ints, num_qo_heads, num_kv_heads, head_dim). TypeError for a non-int (bool included),
+    ValueError for prefix_len < 0, no suffix, a suffix without a token or heads / head_dim
+    below 1."""
+    try:
+        if isinstance(suffix_lens, (set, frozenset, Mapping, str, bytes)) or \
+                getattr(suffix_lens, "ndim", 1) != 1:  # (the layout is ordered, 1-D)
+            raise TypeError
+        given = list(suffix_lens)
+        if any(isinstance(s, (bool, np.bool_)) or
+               (isinstance(s, torch.Tensor) and s.dtype == torch.bool) for s in given):
+            raise TypeError
+        suffix_lens = [operator.index(s) for s in given]
+    except TypeError:
+        raise TypeError(f"suffix_lens={suffix_lens!r}: expected a sequence of ints, in the "
+                        f"order of the suffixes in q, k and v") from None
+    prefix_len = int_arg("prefix_len", prefix_len, minimum=0)
+    if not suffix_lens or min(suffix_lens) < 1:
+        raise ValueError(f"suffix_lens={suffix_lens}: expected at least one request, each "
+                         f"with at least one token of its own")
+    num_qo_heads, num_kv_heads, head_dim = (  # (before "auto" computes with them)
+        int_arg(name, value) for name, value in (
+            ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim)))
+    return prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim
+
+
 class SharedPrefixPrefill:
     """Prefill M requests that share a P-token prefix, with one of STRATEGIES.
 
@@ -165,7 +193,9 @@ class SharedPrefixPrefill:
                num_kv_heads: int = 1, head_dim: int = 128) -> str:
         """The strategy "auto" takes for this batch. With a table measured by ``jitattn tune``
         on this device for this head configuration: the fastest exact strategy that fits the
-        capacities, at the nearest measured cell within tune.MAX_LOG2_DISTANCE (tune.lookup).
+        capacities, at the nearest measured cell within tune.MAX_LOG2_DISTANCE (tune.lookup);
+        the table's dtype (fp16 from the command) stands for both 16-bit dtypes, whose kernels
+        are the same code.
         Otherwise a rule fitted to the grid measured with
         ``jitattn bench shared-prefix`` on the H200 (docs/performance.md, v6): "cascade" when
         a long prefix (>= 1024 tokens) is shared by 8 or more requests whose suffixes are short
@@ -174,8 +204,10 @@ class SharedPrefixPrefill:
         packs every suffix query into one request against the prefix, read once); otherwise
         "ragged"; "naive" for variants that ragged would change; when none of those fits the
         capacities, the first other exact strategy that does (multi_item and custom_mask plan
-        the batch as one request)."""
-        m, longest = len(suffix_lens), max(suffix_lens, default=0)
+        the batch as one request). Raises as plan() for arguments it would refuse."""
+        prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim = _batch_args(
+            prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim)
+        m, longest = len(suffix_lens), max(suffix_lens)
         features = layout_features(self.variant)
         table = tune.load(tune.device_key(self.device))
         if table is not None and (table["num_qo_heads"], table["num_kv_heads"],
@@ -229,26 +261,8 @@ class SharedPrefixPrefill:
         1 / sqrt(head_dim)). Returns the strategy used. Raises TypeError when prefix_len or an
         entry of suffix_lens is not an int (bool included), ValueError when prefix_len < 0 or a
         suffix has no token."""
-        try:
-            if isinstance(suffix_lens, (set, frozenset, Mapping, str, bytes)) or \
-                    getattr(suffix_lens, "ndim", 1) != 1:  # (the layout is ordered, 1-D)
-                raise TypeError
-            given = list(suffix_lens)
-            if any(isinstance(s, (bool, np.bool_)) or
-                   (isinstance(s, torch.Tensor) and s.dtype == torch.bool) for s in given):
-                raise TypeError
-            suffix_lens = [operator.index(s) for s in given]
-        except TypeError:
-            raise TypeError(f"suffix_lens={suffix_lens!r}: expected a sequence of ints, in the "
-                            f"order of the suffixes in q, k and v") from None
-        prefix_len = int_arg("prefix_len", prefix_len, minimum=0)
-        if not suffix_lens or min(suffix_lens) < 1:
-            raise ValueError(f"suffix_lens={suffix_lens}: expected at least one request, each "
-                             f"with at least one token of its own")
-        num_qo_heads, num_kv_heads, head_dim = (  # (before "auto" computes with them)
-            int_arg(name, value) for name, value in (
-                ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                ("head_dim", head_dim)))
+        prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim = _batch_args(
+            prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim)
         strategy = self.choose(prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim) \
             if self.strategy == "auto" else self.strategy
         p, s = prefix_len, suffix_lens

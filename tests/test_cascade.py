@@ -214,6 +214,12 @@ def test_auto_takes_plain_decode_when_the_prefix_is_short():
                                    rtol=1e-4)
     cd = ja.CascadeDecode(variant, page_size=page_size, device="cpu")
     assert cd.choose(64, 32768, 8, 128) == "cascade" and cd.choose(16, 1024, 8, 128) == "plain"
+    for bad, error, text in (((-4, 100, 8, 128), ValueError, "batch=-4"),
+                             ((4, -100, 8, 128), ValueError, "prefix_len=-100"),
+                             ((4, 100, 0, 128), ValueError, "num_kv_heads=0"),
+                             ((4, 100.0, 8, 128), TypeError, "prefix_len=100.0")):
+        with pytest.raises(error, match=text):  # (it answered "plain")
+            cd.choose(*bad)
     # a prefix that ends inside a page cannot be one plain page table: cascade, or an error
     partial = (args[0], 3) + args[2:]
     assert cd.plan(*partial) == "cascade"

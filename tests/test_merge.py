@@ -99,6 +99,11 @@ def test_bad_states():
     with pytest.raises(ValueError, match=r"o must be \[n, rows\.\.\., head_dim\] .* "
                                          r"o\[:, None\], lse\[:, None\]"):
         ja.merge_states(o[:, 0].contiguous(), lse[:, 0].contiguous())
+    # one state of one row: merge_states named the pair merges' o[None], whose result then got
+    # the hint above
+    with pytest.raises(ValueError, match=r"^merge_states: o must be \[n, rows\.\.\., head_dim\] "
+                                         r"with at least one row dimension, got \(64,\)$"):
+        ja.merge_states(o[0, 0], lse[0, 0])
 
 
 def check_in_place_pair_merge(device):

@@ -112,6 +112,15 @@ def test_auto_follows_the_selection_guide_and_is_exact():
     assert sp.choose(8196, [4] * 32, 16, 8, 128) == "cascade"
     for prefix, suffixes in ((8196, [256] * 32), (8196, [4] * 2), (96, [4] * 32)):
         assert sp.choose(prefix, suffixes, 16, 8, 128) == "ragged"
+    # choose() refuses what plan() refuses (it answered "ragged" for a negative prefix, no
+    # suffixes and float lengths)
+    for args, error, text in (((-5, [3]), ValueError, "prefix_len=-5"),
+                              ((10, []), ValueError, r"suffix_lens=\[\]: expected at least"),
+                              ((10, [0, -3]), ValueError, "suffix_lens"),
+                              ((1.5, [2]), TypeError, "prefix_len=1.5"),
+                              ((10, [2.5]), TypeError, "suffix_lens")):
+        with pytest.raises(error, match=text):
+            sp.choose(*args)
     rng = random.Random(0)
     for _ in range(3):
         prefix, suffixes = rng.randrange(0, 200), [rng.randrange(1, 20) for _ in range(4)]
