@@ -106,9 +106,16 @@ class PrefixGroup:
     members: tuple
 
 
-# PrefixTrie.groups' exact partition up to this many requests (its dynamic programme's time and
-# memory grow as the square of the batch at worst: 20000 requests in pairs took 3 s and 0.4 GB)
-EXACT_MAX_REQUESTS = 4096
+# PrefixTrie.groups' exact partition while its dynamic programme's merges stay within this many
+# table cells (len(a) * len(b) per merge). Its time and memory grow as the square of the batch
+# at worst: 20000 requests in pairs, about 6e8 cells, took 3 s and 0.4 GB; this budget covers
+# 6000 requests in pairs and most batches of many more (a 4097-request batch of 30 system
+# prompts: 0.6 s), beyond it one choice per branch point.
+EXACT_MAX_CELLS = 1 << 25
+
+
+class _OverBudget(Exception):
+    """The exact partition's merges went past EXACT_MAX_CELLS."""
 
 
 class PrefixTrie:
@@ -148,24 +155,29 @@ class PrefixTrie:
     def groups(self, min_members: int = 2) -> list[PrefixGroup]:
         """Partition the inserted requests into groups that share a block prefix, saving as
         many prefix tokens as any partition can (saving = prefix_len * (members - 1), summed
-        over the groups) for up to EXACT_MAX_REQUESTS requests, and nearly as many beyond
-        (below). Groups smaller than ``min_members`` get prefix_len 0. Deterministic: groups
-        ordered by their first member. min_members: an int >= 2 (TypeError / ValueError
-        otherwise). Iterative, so deep tries are fine.
+        over the groups) while its dynamic programme stays within EXACT_MAX_CELLS, and nearly
+        as many beyond (below). Groups smaller than ``min_members`` get prefix_len 0.
+        Deterministic: groups ordered by their first member. min_members: an int >= 2
+        (TypeError / ValueError otherwise). Iterative, so deep tries are fine.
 
         Algorithm: a dynamic programme over the trie's branch points, bottom up (a tree
         knapsack): best[v][k] is the most saved by groups below v when k of v's requests are
         left ungrouped for a group nearer the root; a group at depth d of j requests saves
         d * (j - 1). Its time and memory grow as requests^2 at worst (many branches of two or
-        more requests under one point), so larger batches take one choice per branch point
-        instead, bottom up: keep its requests together at its depth, or let the branches go
-        deeper apart and group the requests they leave alone at its depth. That choice can
-        miss the best partition: at block size 1, [[0,1,0,1,1,0], [0,1,0,0], [0,1,1,0,0,0],
+        more requests under one point), so past its budget of table cells it takes one choice
+        per branch point instead, bottom up: keep its requests together at its depth, or let
+        the branches go deeper apart and group the requests they leave alone at its depth.
+        That choice can miss the best partition: at block size 1, [[0,1,0,1,1,0], [0,1,0,0], [0,1,1,0,0,0],
         [0,0,0,0], [0,1,0,1]] is best split as {0,1,4} sharing 3 tokens and {2,3} sharing 1,
         7 saved, where it gives {0,1,2,4} at 2: 6."""
         min_members = int_arg("min_members", min_members, minimum=2)
-        if self._count > EXACT_MAX_REQUESTS:
+        try:
+            return self._groups_exact(min_members)
+        except _OverBudget:
             return self._groups_by_branch(min_members)
+
+    def _groups_exact(self, min_members: int) -> list[PrefixGroup]:
+        """groups() by the dynamic programme; _OverBudget past EXACT_MAX_CELLS."""
         top = self._walk(self.root)
         # branch points, parents before children, with their depths and branch points below
         order, below, depth = [], {}, {id(top): self._depth(self.root, top)}
@@ -177,10 +189,10 @@ class PrefixTrie:
             for child, walked in zip(node.children.values(), below[id(node)]):
                 depth[id(walked)] = depth[id(node)] + 1 + self._depth(child, walked)
             stack += below[id(node)]
-        plans = {}
+        plans, budget = {}, [EXACT_MAX_CELLS]
         for node in reversed(order):  # children before parents
             plans[id(node)] = _BranchPlan(node, [plans[id(c)] for c in below[id(node)]],
-                                          depth[id(node)] * self.block_size, min_members)
+                                          depth[id(node)] * self.block_size, min_members, budget)
         # top down: how many requests each branch point passes up, then who they are
         top_plan = plans[id(top)]
         need = {id(top): top_plan.lo + int(np.argmax(top_plan.best))}  # (the first of equals)
@@ -264,9 +276,12 @@ class _BranchPlan:
     """PrefixTrie.groups' table at one branch point (prefix_len tokens deep): best[i], the most
     prefix tokens saved by the groups in its subtree when lo + i of its requests are passed up
     ungrouped (-inf where impossible; outside best, impossible too), and how each entry was
-    reached. A child's table is dropped once merged (the memory of a wide trie)."""
+    reached. A child's table is dropped once merged (the memory of a wide trie). budget: the
+    table cells the merges may still take, one int in a list, lowered by each merge
+    (_OverBudget below 0)."""
 
-    def __init__(self, node: _Node, children: list, prefix_len: int, min_members: int):
+    def __init__(self, node: _Node, children: list, prefix_len: int, min_members: int,
+                 budget: list):
         self.node, self.children, self.prefix_len = node, children, prefix_len
         covered = {m for c in node.children.values() for m in c.members}
         self.ending = [m for m in node.members if m not in covered]  # requests that end here
@@ -279,6 +294,9 @@ class _BranchPlan:
         # pool[i]: best saving below when base + i requests reach this point
         base, pool = len(self.ending), _NOTHING_SAVED
         for child in children:
+            budget[0] -= len(pool) * len(child.best)
+            if budget[0] < 0:
+                raise _OverBudget
             pool, took = _max_plus(pool, child.best)
             base += child.lo
             self._merges.append((took, child.lo, base))
