@@ -219,9 +219,14 @@ def _plan_with_hints(plan, signature, args, kwargs):
             signature.bind(*args, **kwargs)
         except TypeError as bind_error:
             hints = plan_hints(signature, args, kwargs)
+            unknown = [name for name in kwargs if name not in signature.parameters]
+            message = str(e) if len(unknown) < 2 else (  # (Python's names the first alone)
+                f"{plan.__qualname__}() got unexpected keyword arguments {unknown}")
             if hints:
-                raise TypeError(f"{e}: {'; '.join(hints)} (README: porting from "
+                raise TypeError(f"{message}: {'; '.join(hints)} (README: porting from "
                                 f"FlashInfer)") from None
+            if len(unknown) > 1:
+                raise TypeError(message) from None
             taken = positional_binding(signature, args) if "missing" in str(bind_error) \
                 else None
             if taken:
@@ -229,16 +234,27 @@ def _plan_with_hints(plan, signature, args, kwargs):
         raise
 
 
+def grad_dropped(*tensors) -> bool:
+    """Whether a call on ``tensors`` would drop gradients: one requires grad, grad mode on."""
+    return torch.is_grad_enabled() and \
+        any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
+
+
+def no_backward_warning(call: str, stacklevel: int = 2) -> None:
+    """The UserWarning that ``call``'s output does not track gradients (jitattn has no
+    backward: inference only)."""
+    warnings.warn(f"{call} has no backward (inference only): its output does not track "
+                  f"gradients; call it under torch.no_grad() or torch.inference_mode()",
+                  stacklevel=stacklevel + 1)
+
+
 def warn_no_grad(call: str, *tensors) -> tuple:
-    """The UserWarning of an eager call whose input requires grad: jitattn has no backward
-    (inference only), so its outputs do not track gradients. ``call`` names the entry point;
-    under torch.compile the ops detach their inputs instead (ops._no_grad). Returns the
-    tensors, detached after a warning (an entry point that calls others passes them on, and
-    those then say nothing more)."""
-    if any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor)) and \
-            torch.is_grad_enabled():
-        warnings.warn(f"{call} has no backward (inference only): its output does not track "
-                      f"gradients; call it under torch.no_grad() or torch.inference_mode()",
-                      stacklevel=3)
+    """The UserWarning of an eager call whose input requires grad (no_backward_warning).
+    ``call`` names the entry point; under torch.compile the ops detach their inputs and their
+    kernels warn when the traced call dropped gradients (ops.py). Returns the tensors,
+    detached after a warning (an entry point that calls others passes them on, and those then
+    say nothing more)."""
+    if grad_dropped(*tensors):
+        no_backward_warning(call, stacklevel=3)
         return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in tensors)
     return tensors

@@ -22,6 +22,7 @@ import weakref
 import numpy as np
 import torch
 
+from .args import grad_dropped, no_backward_warning
 from .params import ScalarParam
 from .spec import _CAPTURED, ON_CREATE, PER_OBJECT, Variant
 
@@ -92,8 +93,11 @@ def _traced_with(table: dict, handle: int, key: str, what: str):
     return found
 
 
-def _attention_impl(handle, key, q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
+def _attention_impl(handle, key, q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars,
+                    grad_dropped=False):
     variant = _traced_with(_VARIANTS, handle, key, "Variant")
+    if grad_dropped:  # (the traced call's inputs required grad: the eager call's warning)
+        no_backward_warning("jitattn.attention")
     from .api import attention  # (api imports this module)
     kw = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr) if qo_indptr is not None else {}
     params, captured = _params_of(variant, tensors, scalars)
@@ -104,15 +108,16 @@ def _attention_impl(handle, key, q, k, v, qo_indptr, kv_indptr, sm_scale, tensor
         _CAPTURED.reset(token)
 
 
-def _attention_fake(handle, key, q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars):
+def _attention_fake(handle, key, q, k, v, qo_indptr, kv_indptr, sm_scale, tensors, scalars,
+                    grad_dropped=False):
     return _fresh_outputs(q)
 
 
 _attention = torch.library.custom_op(
     "jitattn::attention", _attention_impl, mutates_args=(),
     schema="(int variant, str key, Tensor q, Tensor k, Tensor v, Tensor? qo_indptr, "
-           "Tensor? kv_indptr, float sm_scale, Tensor[] tensors, float[] scalars) -> "
-           "(Tensor, Tensor)")
+           "Tensor? kv_indptr, float sm_scale, Tensor[] tensors, float[] scalars, "
+           "bool grad_dropped=False) -> (Tensor, Tensor)")
 _attention.register_fake(_attention_fake)
 
 
@@ -132,14 +137,16 @@ def attention_traced(q, k, v, variant, *, qo_indptr, kv_indptr, sm_scale, return
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     tensors, scalars = _split_params(variant, params)
     out, lse = _attention(variant._op_handle, _traced_key(variant), *_no_grad(q, k, v),
-                          qo_indptr, kv_indptr, float(sm_scale), _no_grad(*tensors), scalars)
+                          qo_indptr, kv_indptr, float(sm_scale), _no_grad(*tensors), scalars,
+                          grad_dropped(q, k, v))
     return (out, lse) if return_lse else out
 
 
 def _no_grad(*tensors) -> list:
-    """The ops' inputs detached: jitattn has no backward, so, as in eager mode (where
-    attention() warns), outputs do not track gradients (an input requiring grad made
-    compiling fail in torch's autograd, which names no autograd formula for the op)."""
+    """The ops' inputs detached: jitattn has no backward, so, as in eager mode, outputs do
+    not track gradients (an input requiring grad made compiling fail in torch's autograd,
+    which names no autograd formula for the op); the ops' kernels warn as the eager calls do
+    (their grad_dropped argument)."""
     return [t.detach() for t in tensors]
 
 
@@ -154,8 +161,12 @@ def register_wrapper(wrapper) -> int:
     return handle
 
 
-def _wrapper_run_impl(handle, key, q, inputs, tensors, scalars, num_outputs):
+def _wrapper_run_impl(handle, key, q, inputs, tensors, scalars, num_outputs,
+                      grad_dropped=False):
     wrapper = _traced_with(_WRAPPERS, handle, key, "wrapper")
+    if grad_dropped:
+        no_backward_warning(f"{getattr(wrapper, 'run_owner', None) or type(wrapper).__name__}"
+                            f".run")
     n = sum(isinstance(p, ScalarParam) for p in wrapper.variant.params)
     params, captured = _params_of(wrapper.variant, tensors, scalars[:n])
     token = _CAPTURED.set(captured)
@@ -166,14 +177,15 @@ def _wrapper_run_impl(handle, key, q, inputs, tensors, scalars, num_outputs):
         _CAPTURED.reset(token)
 
 
-def _wrapper_run_fake(handle, key, q, inputs, tensors, scalars, num_outputs):
+def _wrapper_run_fake(handle, key, q, inputs, tensors, scalars, num_outputs,
+                      grad_dropped=False):
     return _fresh_outputs(q)[:num_outputs]
 
 
 _wrapper_run = torch.library.custom_op(
     "jitattn::wrapper_run", _wrapper_run_impl, mutates_args=(),
     schema="(int handle, str key, Tensor q, Tensor[] inputs, Tensor[] tensors, float[] scalars, "
-           "int num_outputs) -> Tensor[]")
+           "int num_outputs, bool grad_dropped=False) -> Tensor[]")
 _wrapper_run.register_fake(_wrapper_run_fake)
 
 
@@ -196,4 +208,4 @@ def wrapper_traced(wrapper, q, inputs, params, *, num_outputs: int, extra_scalar
     tensors, scalars = _split_params(wrapper.variant, params)
     return _wrapper_run(wrapper._handle, _traced_key(wrapper), q.detach(), _no_grad(*inputs),
                         _no_grad(*tensors), list(scalars) + [float(x) for x in extra_scalars],
-                        num_outputs)
+                        num_outputs, grad_dropped(q, *inputs))

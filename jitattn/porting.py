@@ -26,6 +26,17 @@ _FLASHINFER_PLAN = {
 }
 
 
+# FlashInfer's names of plan()'s page-table arguments (its prefill, decode and multi-level
+# cascade wrappers) -> this plan()'s (those ending in _arr: one tensor per level, a list)
+_FLASHINFER_PLAN_RENAMED = {
+    "paged_kv_indptr": "kv_indptr", "paged_kv_indices": "kv_indices",
+    "paged_kv_last_page_len": "kv_last_page_len", "indptr": "kv_indptr",
+    "indices": "kv_indices", "last_page_len": "kv_last_page_len",
+    "qo_indptr_arr": "qo_indptr", "paged_kv_indptr_arr": "kv_indptr",
+    "paged_kv_indices_arr": "kv_indices",
+}
+
+
 # the same for a plan() without kv_dtype= (the cascades': caches in q's dtype)
 _FLASHINFER_PLAN_Q_DTYPE_ONLY = {
     "data_type": "q_dtype= here (the caches are read in q's dtype)",
@@ -140,9 +151,20 @@ def plan_hints(signature, args, kwargs) -> list:
     ctor = call.format(cls=cls) + "page_size=16)"
     table = _FLASHINFER_PLAN if "kv_dtype" in signature.parameters else \
         _FLASHINFER_PLAN | _FLASHINFER_PLAN_Q_DTYPE_ONLY
-    hints = [f"{name}= is {where.format(cls=cls, ctor=ctor)}"
-             for name, where in table.items()
-             if name in kwargs and name not in signature.parameters]
+    unknown = [name for name in kwargs if name not in signature.parameters]
+    hints = []
+    for name in unknown:  # (in the call's order)
+        if name in table:
+            hints.append(f"{name}= is {table[name].format(cls=cls, ctor=ctor)}")
+        elif name in _FLASHINFER_PLAN_RENAMED:
+            ours = _FLASHINFER_PLAN_RENAMED[name]
+            if ours in signature.parameters:
+                hints.append(f"{name}= is {ours}= here" +
+                             (" (a list: one tensor per level)" if name.endswith("_arr") else ""))
+            else:
+                takes = [n for n, p in signature.parameters.items()
+                         if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD][1:]
+                hints.append(f"{name}= is FlashInfer's; {cls}.plan() takes {', '.join(takes)}")
     return hints + _positional_hints(signature, args, kwargs, ctor)
 
 

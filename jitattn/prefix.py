@@ -167,9 +167,9 @@ class PrefixTrie:
         more requests under one point), so past its budget of table cells it takes one choice
         per branch point instead, bottom up: keep its requests together at its depth, or let
         the branches go deeper apart and group the requests they leave alone at its depth.
-        That choice can miss the best partition: at block size 1, [[0,1,0,1,1,0], [0,1,0,0], [0,1,1,0,0,0],
-        [0,0,0,0], [0,1,0,1]] is best split as {0,1,4} sharing 3 tokens and {2,3} sharing 1,
-        7 saved, where it gives {0,1,2,4} at 2: 6."""
+        That choice can miss the best partition: at block size 1, [[0,1,0,1,1,0], [0,1,0,0],
+        [0,1,1,0,0,0], [0,0,0,0], [0,1,0,1]] is best split as {0,1,4} sharing 3 tokens and
+        {2,3} sharing 1, 7 saved, where it gives {0,1,2,4} at 2: 6."""
         min_members = int_arg("min_members", min_members, minimum=2)
         try:
             return self._groups_exact(min_members)

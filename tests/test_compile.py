@@ -2,6 +2,7 @@
 
 import functools
 import re
+import warnings
 
 import pytest
 import torch
@@ -299,7 +300,8 @@ def test_a_captured_parameter_that_requires_grad_compiles_for_inference():
 
 def test_inputs_that_require_grad_compile_as_in_eager_mode():
     """q requiring grad under torch.compile: compiling failed inside torch's autograd (no
-    formula for jitattn's op); now, as eagerly, the output does not track gradients."""
+    formula for jitattn's op); now, as eagerly, the output does not track gradients, and the
+    compiled call warns as the eager one does (it had dropped them in silence)."""
     variant = ja.Variant("plain", mask="causal")
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(n, h, 64, generator=gen).half() for n, h in ((9, 4), (13, 2), (13, 2)))
@@ -310,9 +312,23 @@ def test_inputs_that_require_grad_compile_as_in_eager_mode():
     with pytest.warns(UserWarning, match="no backward"):
         eager = attend(q, k, v)
     torch._dynamo.reset()
-    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v)
+    with pytest.warns(UserWarning, match="jitattn.attention has no backward"):
+        compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v)
     assert not compiled.requires_grad and not eager.requires_grad
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no warning where grad mode is off)
+        torch._dynamo.reset()
+        torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v)
+    # a planned wrapper: the same warning, naming its run()
+    wrapper = ja.BatchPrefill(variant, kv_layout="ragged", device="cpu")
+    indptr = torch.tensor([0, 9], dtype=torch.int32)
+    wrapper.plan(indptr, torch.tensor([0, 13], dtype=torch.int32), None, None, 4, 2, 64)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="BatchPrefill.run has no backward"):
+        out = torch.compile(lambda q: wrapper.run(q * 1.0, (k, v)), backend="aot_eager",
+                            fullgraph=True)(q)
+    assert not out.requires_grad
 
 
 @pytest.mark.parametrize("reason_keyword", [True, False], ids=["torch>=2.8", "torch<2.8"])

@@ -487,6 +487,24 @@ def test_flashinfer_plan_keywords_say_where_they_live():
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'bogus'$"):
         dec.plan(*args, bogus=1)
     assert dec.plan(*args) is not None  # (plan itself unchanged)
+    # FlashInfer's names of the page-table arguments; several unknown keywords are all named,
+    # each hint beside its own (one named 'qo_indptr_arr' and explained page_size=)
+    with pytest.raises(TypeError, match=r"^BatchDecode\.plan\(\) got unexpected keyword "
+                                        r"arguments \['indptr', 'indices'\]: indptr= is "
+                                        r"kv_indptr= here; indices= is kv_indices= here"):
+        dec.plan(indptr=args[0], indices=args[1], kv_last_page_len=args[2], num_qo_heads=4,
+                 num_kv_heads=2, head_dim=32)
+    cascade = ja.MultiLevelCascade(V, 2, device="cpu")
+    with pytest.raises(TypeError, match=r"arguments \['qo_indptr_arr', 'page_size'\]: "
+                                        r"qo_indptr_arr= is qo_indptr= here \(a list: one tensor "
+                                        r"per level\); page_size= is the constructor's"):
+        cascade.plan(qo_indptr_arr=[], page_size=16)
+    with pytest.raises(TypeError, match=r"paged_kv_indptr_arr= is FlashInfer's; CascadeDecode"
+                                        r"\.plan\(\) takes shared_kv_indices, "):
+        ja.CascadeDecode(V, device="cpu").plan(paged_kv_indptr_arr=[])
+    with pytest.raises(TypeError, match=r"got unexpected keyword arguments \['bogus', "
+                                        r"'bogus2'\]$"):
+        dec.plan(*args, bogus=1, bogus2=2)
 
 
 def test_a_wrapper_on_cpu_0_names_the_real_problem():
