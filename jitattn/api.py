@@ -92,7 +92,8 @@ def _host_indptr(name: str, indptr, total: int, rows_of: str) -> list[int]:
         raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got "
                         f"{type(indptr).__name__}")
     if indptr.dim() != 1 or indptr.numel() < 1:
-        raise ValueError(f"{name} must be 1-D [batch_size + 1], got shape {tuple(indptr.shape)}")
+        raise ValueError(f"{name} must be a non-empty 1-D tensor [batch_size + 1] (a batch of "
+                         f"none is [0]), got shape {tuple(indptr.shape)}")
     if indptr.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} has dtype {indptr.dtype}; expected torch.int32 or torch.int64")
     host = [int(x) for x in indptr.tolist()]

@@ -97,7 +97,9 @@ def _cache(args) -> int:
     cache = Cache()
     if args.action == "clear":
         try:
-            print(f"removed {_entries(cache.clear())} from {_where(cache)}")
+            print(f"removed {_entries(cache.clear())} from {_where(cache)} (the empty <key>.lock "
+                  f"files stay: removing one another process holds would let two builds of its "
+                  f"key run at once)")
         except OSError as e:
             print(f"jitattn cache clear: {e}", file=sys.stderr)
             return 1
@@ -189,6 +191,13 @@ def _compile(args) -> int:
               f"module level or a make() that returns one (as in variants/*.py)",
               file=sys.stderr)
         return 2
+    ignored = [name for name, given in (("--kind", args.kind != list(render.KINDS)),
+                                        ("--dtype", args.dtype != ["f16", "bf16"]),
+                                        ("--arch", args.arch is not None),
+                                        ("--shared-kv", args.shared_kv)) if given]
+    if args.cpu and ignored:
+        print(f"jitattn compile --cpu: {' / '.join(ignored)} ignored (one CPU library per "
+              f"head_dim holds every kind and dtype)", file=sys.stderr)
     arch = args.arch or (jit.device_arch(0) if not args.cpu and _cuda() else "sm_90a")
     try:
         _build_all(variants, args, arch, cache.root)

@@ -37,6 +37,11 @@ def test_compile_cpu_then_ls_then_clear(capsys):
     assert "kernel.so" in capsys.readouterr().out
     assert cli.main(["compile", variant_file, "--cpu", "--head-dim", "64"]) == 0
     assert "cached" in capsys.readouterr().out
+    # CUDA's options with --cpu are said to be ignored (they were, in silence)
+    assert cli.main(["compile", variant_file, "--cpu", "--head-dim", "64", "--kind", "decode",
+                     "--dtype", "bf16"]) == 0
+    assert "jitattn compile --cpu: --kind / --dtype ignored (one CPU library per head_dim " \
+        "holds every kind and dtype)" in capsys.readouterr().err
     assert cli.main(["cache", "ls"]) == 0
     assert "softcap50-causal" in capsys.readouterr().out
     assert cli.main(["cache", "clear"]) == 0

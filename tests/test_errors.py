@@ -79,6 +79,11 @@ def test_indptr_dtype():
     with pytest.raises(TypeError, match="qo_indptr has dtype torch.float32"):
         ja.attention(q, k, v, V, qo_indptr=torch.tensor([0.0, 10.0]),
                      kv_indptr=torch.tensor([0, 12], dtype=torch.int32))
+    empty = torch.tensor([], dtype=torch.int32)  # (the message said "must be 1-D" of a 1-D one)
+    with pytest.raises(ValueError, match=r"qo_indptr must be a non-empty 1-D tensor "
+                                         r"\[batch_size \+ 1\] \(a batch of none is \[0\]\), "
+                                         r"got shape \(0,\)"):
+        ja.attention(q[:0], k[:0], v[:0], V, qo_indptr=empty, kv_indptr=empty)
 
 
 def test_missing_extra_and_misshaped_params():
