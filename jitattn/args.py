@@ -234,7 +234,7 @@ def _plan_with_hints(plan, signature, args, kwargs):
         raise
 
 
-def grad_dropped(*tensors) -> bool:
+def drops_grad(*tensors) -> bool:
     """Whether a call on ``tensors`` would drop gradients: one requires grad, grad mode on."""
     return torch.is_grad_enabled() and \
         any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
@@ -254,7 +254,7 @@ def warn_no_grad(call: str, *tensors) -> tuple:
     kernels warn when the traced call dropped gradients (ops.py). Returns the tensors,
     detached after a warning (an entry point that calls others passes them on, and those then
     say nothing more)."""
-    if grad_dropped(*tensors):
+    if drops_grad(*tensors):
         no_backward_warning(call, stacklevel=3)
         return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in tensors)
     return tensors

@@ -322,8 +322,9 @@ class BatchPrefill:
             held = (launch.kv_strides(k_cache, self.kv_layout),
                     launch.kv_strides(v_cache, self.kv_layout), False)
         k_strides, v_strides, q_dense = held
-        if q.requires_grad:  # (an attribute read first: host time)
-            warn_no_grad(f"{self.run_owner or type(self).__name__}.run", q)
+        if q.requires_grad or k_cache.requires_grad or v_cache.requires_grad:  # (attribute
+            #                                                  reads first: host time)
+            warn_no_grad(f"{self.run_owner or type(self).__name__}.run", q, k_cache, v_cache)
         pl, plan, ws = self._planned, self._plan, self._ws
         bound = self.variant.bind(params, device=q.device, sizes=pl["sizes"])
         shape = (pl["total_q"], pl["num_qo_heads"], pl["head_dim"])

@@ -42,6 +42,7 @@ class MultiLevelCascade:
 
     _LEVEL_KEYWORDS = CAPACITY_NAMES + ("split_kv", "query_tile")  # passed on to the levels
     _CALL = "{cls}(variant, num_levels, "  # the constructor's call up to page_size (hints)
+    PLAN_PER_LEVEL = True  # plan() takes a list per page-table argument (porting's hints)
 
     def _refuse_unknown(self, capacities: dict) -> None:
         """TypeError for constructor keywords that are neither parameters nor the levels'
@@ -50,12 +51,11 @@ class MultiLevelCascade:
         if unknown:
             named = [n for n, p in inspect.signature(type(self).__init__).parameters.items()
                      if p.default is not inspect.Parameter.empty]
-            error = unexpected_keywords(type(self).__name__, unknown,
-                                        named + list(self._LEVEL_KEYWORDS), kv_dtype=False)
-            if "num_levels" in unknown:
-                error.args = (f"{error.args[0]} (CascadeDecode has two levels; "
-                              f"MultiLevelCascade(variant, num_levels) takes any number)",)
-            raise error
+            raise unexpected_keywords(
+                type(self).__name__, unknown, named + list(self._LEVEL_KEYWORDS),
+                kv_dtype=False, also={"num_levels": "MultiLevelCascade's (CascadeDecode has two "
+                                      "levels; MultiLevelCascade(variant, num_levels) takes any "
+                                      "number)"})
 
     def __init__(self, variant: Variant, num_levels: int, page_size: int = 16,
                  kv_layout: str = "NHD", *, device=None, **capacities):
@@ -215,7 +215,7 @@ class MultiLevelCascade:
             raise (ValueError if q.dtype == planned.q_dtype else TypeError)(
                 f"q is {tuple(q.shape)} {q.dtype}; the plan expects [total_q, {heads}, "
                 f"{head_dim}] {planned.q_dtype} (plan(..., q_dtype=) sets the dtype)")
-        q, = warn_no_grad(f"{type(self).__name__}.run", q)
+        q, *_ = warn_no_grad(f"{type(self).__name__}.run", q, *_cache_tensors(kv_cache))
         n, total = len(self.levels), q.shape[0]
         # (the levels read q before the merge writes out, but CascadeDecode's plain strategy
         # refuses an out partly inside q: so do the cascades, whichever strategy auto takes)
@@ -292,6 +292,7 @@ class CascadeDecode(MultiLevelCascade):
 
     _LEVEL_KEYWORDS = CAPACITY_NAMES + ("split_kv",)  # (decode: no query_tile)
     _CALL = "{cls}(variant, "
+    PLAN_PER_LEVEL = False
 
     def __init__(self, variant: Variant, page_size: int = 16, kv_layout: str = "NHD", *,
                  strategy: str = "auto", device=None, **capacities):
@@ -457,7 +458,9 @@ class CascadeDecode(MultiLevelCascade):
             raise extra_run_args(type(self).__name__, extra)
         if self.chosen == "plain":  # a reference kept from a cascade plan
             return self.plain.run(q, kv_cache, return_lse=return_lse, **params)
-        q, = warn_no_grad("CascadeDecode.run", q)  # (here: the caller's line is one frame up)
+        # (here: the caller's line is one frame up; the levels' run() then warns no more)
+        q, *caches = warn_no_grad("CascadeDecode.run", q, *_cache_tensors(kv_cache))
+        kv_cache = caches[0] if len(caches) == 1 else tuple(caches)
         # (the levels accept rows beyond the plan's)
         if self.chosen is not None and isinstance(q, torch.Tensor) and \
                 (q.dim() != 3 or q.shape[0] != self._q_shape[0]):

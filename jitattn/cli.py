@@ -58,10 +58,15 @@ def _doctor(args) -> int:
 
 
 def _unmade_cache() -> str | None:
-    """The cache root and that it does not exist yet, or None where it exists: doctor and
-    `cache ls | clear` report a missing root rather than make it (Cache() makes it)."""
+    """The cache root and that it does not exist yet, where the first build can make it (its
+    nearest existing folder is a directory this user may write), else None: doctor and
+    `cache ls | clear` report such a root rather than make it (Cache() makes it, or says why
+    it cannot)."""
     root = env.cache_dir()
     if root.exists() or root.is_symlink():
+        return None
+    above = next(p for p in root.parents if p.exists() or p.is_symlink())
+    if not (above.is_dir() and os.access(above, os.W_OK | os.X_OK)):
         return None
     return f"{root} (not made yet: the first build makes it), no entries"
 
@@ -126,25 +131,30 @@ def _arch(text: str) -> str:
 
 
 def _one_of(allowed: tuple, convert=str):
-    """An option's type for a list option (nargs="+") with ``allowed`` values."""
+    """An option's type for a list option (nargs="+") with ``allowed`` values; a value that
+    looks like a file name (a second variant file, a built-in variant's name) gets a hint."""
     def parse(text: str):
         try:
             value = convert(text)
         except ValueError:
             value = None
         if value not in allowed:
+            hint = " (compile takes one variant file, before the options or after --)" \
+                if "/" in text or "." in text or (value is None and convert is int) else ""
             raise argparse.ArgumentTypeError(f"{text!r}: expected one of "
-                                             f"{', '.join(map(str, allowed))}")
+                                             f"{', '.join(map(str, allowed))}{hint}")
         return value
     return parse
 
 
 def _file_first(argv: list) -> list:
-    """compile's arguments with its variant file (the first argument ending in .py) moved
-    before the options: after a list option (--head-dim 64 128) argparse would take it as one
-    of the list's values."""
+    """compile's arguments with its variant file (the first argument ending in .py before any
+    "--") moved before the options: after a list option (--head-dim 64 128) argparse would
+    take it as one of the list's values."""
     if argv[:1] == ["compile"]:
-        files = [i for i, a in enumerate(argv) if a.endswith(".py") and not a.startswith("-")]
+        end = argv.index("--") if "--" in argv else len(argv)
+        files = [i for i, a in enumerate(argv[:end]) if a.endswith(".py") and
+                 not a.startswith("-")]
         if files and files[0] > 1:
             i = files[0]
             return [argv[0], argv[i], *argv[1:i], *argv[i + 1:]]
@@ -191,10 +201,12 @@ def _compile(args) -> int:
               f"module level or a make() that returns one (as in variants/*.py)",
               file=sys.stderr)
         return 2
-    ignored = [name for name, given in (("--kind", args.kind != list(render.KINDS)),
-                                        ("--dtype", args.dtype != ["f16", "bf16"]),
+    ignored = [name for name, given in (("--kind", args.kind is not None),
+                                        ("--dtype", args.dtype is not None),
                                         ("--arch", args.arch is not None),
                                         ("--shared-kv", args.shared_kv)) if given]
+    args.kind = args.kind or list(render.KINDS)
+    args.dtype = args.dtype or ["f16", "bf16"]
     if args.cpu and ignored:
         print(f"jitattn compile --cpu: {' / '.join(ignored)} ignored (one CPU library per "
               f"head_dim holds every kind and dtype)", file=sys.stderr)
@@ -301,12 +313,11 @@ def main(argv=None) -> int:
     b.add_argument("--head-dim", type=_one_of(render.HEAD_DIMS, int), nargs="+", default=[128],
                    metavar="{" + ",".join(map(str, render.HEAD_DIMS)) + "}",
                    help="head dims to build (default: 128)")
-    b.add_argument("--dtype", type=_one_of(("f16", "bf16")), nargs="+",
-                   default=["f16", "bf16"], metavar="{f16,bf16}",
+    b.add_argument("--dtype", type=_one_of(("f16", "bf16")), nargs="+", metavar="{f16,bf16}",
                    help="CUDA kernels' q dtypes (default: both; the CPU library holds every "
                    "dtype)")
     b.add_argument("--kind", type=_one_of(tuple(render.KINDS)), nargs="+",
-                   default=list(render.KINDS), metavar="{" + ",".join(render.KINDS) + "}",
+                   metavar="{" + ",".join(render.KINDS) + "}",
                    help=f"kernel kinds (default: {' '.join(render.KINDS)})")
     b.add_argument("--arch", type=_arch, help="CUDA target, e.g. sm_90a, sm_80 (default: the "
                    "first visible GPU's, the one the runtime looks up; without a GPU, sm_90a)")

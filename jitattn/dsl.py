@@ -1,5 +1,6 @@
-"""The expression language of ``score_mod`` / ``mask_mod``: symbols, parameters, :class:`Expr`
-nodes and the ``ja.*`` functions (tracing.py runs a mod on the symbols).
+"""The expression language of ``score_mod`` / ``mask_mod``: symbols, :class:`Expr` nodes and
+the ``ja.*`` functions (tracing.py runs a mod on the symbols; params.py declares runtime
+parameters).
 
 The functions have FlexAttention's signatures, ``score_mod(score, b, h, q_idx, kv_idx)`` and
 ``mask_mod(b, h, q_idx, kv_idx)``. They are called once with symbolic arguments; operator

@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 import torch
 
-from .args import grad_dropped, no_backward_warning
+from .args import drops_grad, no_backward_warning
 from .params import ScalarParam
 from .spec import _CAPTURED, ON_CREATE, PER_OBJECT, Variant
 
@@ -138,7 +138,7 @@ def attention_traced(q, k, v, variant, *, qo_indptr, kv_indptr, sm_scale, return
     tensors, scalars = _split_params(variant, params)
     out, lse = _attention(variant._op_handle, _traced_key(variant), *_no_grad(q, k, v),
                           qo_indptr, kv_indptr, float(sm_scale), _no_grad(*tensors), scalars,
-                          grad_dropped(q, k, v))
+                          drops_grad(q, k, v))
     return (out, lse) if return_lse else out
 
 
@@ -208,4 +208,4 @@ def wrapper_traced(wrapper, q, inputs, params, *, num_outputs: int, extra_scalar
     tensors, scalars = _split_params(wrapper.variant, params)
     return _wrapper_run(wrapper._handle, _traced_key(wrapper), q.detach(), _no_grad(*inputs),
                         _no_grad(*tensors), list(scalars) + [float(x) for x in extra_scalars],
-                        num_outputs, grad_dropped(q, *inputs))
+                        num_outputs, drops_grad(q, *inputs))

@@ -27,7 +27,7 @@ _FLASHINFER_PLAN = {
 
 
 # FlashInfer's names of plan()'s page-table arguments (its prefill, decode and multi-level
-# cascade wrappers) -> this plan()'s (those ending in _arr: one tensor per level, a list)
+# cascade wrappers) -> this plan()'s (MultiLevelCascade's: one tensor per level, a list)
 _FLASHINFER_PLAN_RENAMED = {
     "paged_kv_indptr": "kv_indptr", "paged_kv_indices": "kv_indices",
     "paged_kv_last_page_len": "kv_last_page_len", "indptr": "kv_indptr",
@@ -111,7 +111,7 @@ VARIANT_KEYWORDS_ELSEWHERE = {
 }
 
 
-def variant_keywords(unknown, fields) -> TypeError:
+def unexpected_variant_keywords(unknown, fields) -> TypeError:
     """The TypeError for Variant() keywords that are not among its ``fields`` (in order), with
     a hint for those that are another library's way of saying a field (causal=,
     sliding_window=, logits_soft_cap=, ...)."""
@@ -122,15 +122,16 @@ def variant_keywords(unknown, fields) -> TypeError:
                      f"{list(fields)}{hints}")
 
 
-def unexpected_keywords(owner: str, unknown, accepted, kv_dtype: bool = True) -> TypeError:
+def unexpected_keywords(owner: str, unknown, accepted, kv_dtype: bool = True,
+                        also: dict | None = None) -> TypeError:
     """The TypeError for constructor keywords ``owner`` does not take, listing ``accepted`` and
     saying where FlashInfer's constructor keywords (buffers, use_cuda_graph, ...) and plan()'s
     or the Variant's went. kv_dtype: whether owner's plan() takes kv_dtype= (the cascades'
-    read their caches in q's dtype)."""
+    read their caches in q's dtype). also: owner's own hints, {keyword: where it goes}."""
     unknown = sorted(unknown)
-    elsewhere = _CTOR_ELSEWHERE if kv_dtype else \
-        _CTOR_ELSEWHERE | {"kv_dtype": _FLASHINFER_PLAN_Q_DTYPE_ONLY["kv_data_type"],
-                           **_FLASHINFER_PLAN_Q_DTYPE_ONLY}
+    elsewhere = (_CTOR_ELSEWHERE if kv_dtype else
+                 _CTOR_ELSEWHERE | {"kv_dtype": _FLASHINFER_PLAN_Q_DTYPE_ONLY["kv_data_type"],
+                                    **_FLASHINFER_PLAN_Q_DTYPE_ONLY}) | (also or {})
     hints = [f"{name}= is {_FLASHINFER_CTOR[name]}" for name in unknown
              if name in _FLASHINFER_CTOR]
     hints += [f"{name}= is {elsewhere[name]}" for name in unknown if name in elsewhere]
@@ -158,9 +159,13 @@ def plan_hints(signature, args, kwargs) -> list:
             hints.append(f"{name}= is {table[name].format(cls=cls, ctor=ctor)}")
         elif name in _FLASHINFER_PLAN_RENAMED:
             ours = _FLASHINFER_PLAN_RENAMED[name]
+            per_level = bool(args) and getattr(type(args[0]), "PLAN_PER_LEVEL", False)
             if ours in signature.parameters:
                 hints.append(f"{name}= is {ours}= here" +
-                             (" (a list: one tensor per level)" if name.endswith("_arr") else ""))
+                             (" (a list: one tensor per level)" if per_level else ""))
+            elif f"unique_{ours}" in signature.parameters:  # (CascadeDecode's own pages)
+                hints.append(f"{name}= is unique_{ours}= here (each request's own pages; "
+                             f"the shared prefix's are shared_kv_indices=)")
             else:
                 takes = [n for n, p in signature.parameters.items()
                          if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD][1:]

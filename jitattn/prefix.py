@@ -106,16 +106,12 @@ class PrefixGroup:
     members: tuple
 
 
-# PrefixTrie.groups' exact partition while its dynamic programme's merges stay within this many
-# table cells (len(a) * len(b) per merge). Its time and memory grow as the square of the batch
-# at worst: 20000 requests in pairs, about 6e8 cells, took 3 s and 0.4 GB; this budget covers
-# 6000 requests in pairs and most batches of many more (a 4097-request batch of 30 system
-# prompts: 0.6 s), beyond it one choice per branch point.
+# PrefixTrie.groups' exact partition where its dynamic programme's merges take at most this
+# many table cells (len(a) * len(b) per merge, bounded before it runs: _merge_cells). Its time
+# and memory grow as the square of the batch at worst: 20000 requests in pairs, about 3e8
+# cells, took 3 s and 0.4 GB; this budget covers 6600 requests in pairs and most batches of
+# many more, beyond it one choice per branch point.
 EXACT_MAX_CELLS = 1 << 25
-
-
-class _OverBudget(Exception):
-    """The exact partition's merges went past EXACT_MAX_CELLS."""
 
 
 class PrefixTrie:
@@ -171,13 +167,6 @@ class PrefixTrie:
         [0,1,1,0,0,0], [0,0,0,0], [0,1,0,1]] is best split as {0,1,4} sharing 3 tokens and
         {2,3} sharing 1, 7 saved, where it gives {0,1,2,4} at 2: 6."""
         min_members = int_arg("min_members", min_members, minimum=2)
-        try:
-            return self._groups_exact(min_members)
-        except _OverBudget:
-            return self._groups_by_branch(min_members)
-
-    def _groups_exact(self, min_members: int) -> list[PrefixGroup]:
-        """groups() by the dynamic programme; _OverBudget past EXACT_MAX_CELLS."""
         top = self._walk(self.root)
         # branch points, parents before children, with their depths and branch points below
         order, below, depth = [], {}, {id(top): self._depth(self.root, top)}
@@ -189,10 +178,12 @@ class PrefixTrie:
             for child, walked in zip(node.children.values(), below[id(node)]):
                 depth[id(walked)] = depth[id(node)] + 1 + self._depth(child, walked)
             stack += below[id(node)]
-        plans, budget = {}, [EXACT_MAX_CELLS]
+        if _merge_cells(order, below) > EXACT_MAX_CELLS:
+            return self._groups_by_branch(min_members)
+        plans = {}
         for node in reversed(order):  # children before parents
             plans[id(node)] = _BranchPlan(node, [plans[id(c)] for c in below[id(node)]],
-                                          depth[id(node)] * self.block_size, min_members, budget)
+                                          depth[id(node)] * self.block_size, min_members)
         # top down: how many requests each branch point passes up, then who they are
         top_plan = plans[id(top)]
         need = {id(top): top_plan.lo + int(np.argmax(top_plan.best))}  # (the first of equals)
@@ -276,12 +267,9 @@ class _BranchPlan:
     """PrefixTrie.groups' table at one branch point (prefix_len tokens deep): best[i], the most
     prefix tokens saved by the groups in its subtree when lo + i of its requests are passed up
     ungrouped (-inf where impossible; outside best, impossible too), and how each entry was
-    reached. A child's table is dropped once merged (the memory of a wide trie). budget: the
-    table cells the merges may still take, one int in a list, lowered by each merge
-    (_OverBudget below 0)."""
+    reached. A child's table is dropped once merged (the memory of a wide trie)."""
 
-    def __init__(self, node: _Node, children: list, prefix_len: int, min_members: int,
-                 budget: list):
+    def __init__(self, node: _Node, children: list, prefix_len: int, min_members: int):
         self.node, self.children, self.prefix_len = node, children, prefix_len
         covered = {m for c in node.children.values() for m in c.members}
         self.ending = [m for m in node.members if m not in covered]  # requests that end here
@@ -294,9 +282,6 @@ class _BranchPlan:
         # pool[i]: best saving below when base + i requests reach this point
         base, pool = len(self.ending), _NOTHING_SAVED
         for child in children:
-            budget[0] -= len(pool) * len(child.best)
-            if budget[0] < 0:
-                raise _OverBudget
             pool, took = _max_plus(pool, child.best)
             base += child.lo
             self._merges.append((took, child.lo, base))
@@ -331,6 +316,19 @@ class _BranchPlan:
             counts.append(lo + j)
             p -= counts[-1]
         return counts[::-1]
+
+
+def _merge_cells(order: list, below: dict) -> int:
+    """An upper bound of the table cells PrefixTrie.groups' merges take: at each branch point,
+    per child, the pool (at most 1 + the requests of the children merged before) times the
+    child's table (at most its requests + 1)."""
+    cells = 0
+    for node in order:
+        pool = 1
+        for child in below[id(node)]:
+            cells += pool * (len(child.members) + 1)
+            pool += len(child.members)
+    return cells
 
 
 def _max_plus(a: np.ndarray, b: np.ndarray):

@@ -82,7 +82,7 @@ class RunInputs:
                 q.size() == self.q_shape and not q.data_ptr() % 16):
             return None
         qs = q.stride()
-        if qs[2] != 1 or qs[0] % 8 or qs[1] % 8:
+        if qs[2] != 1 or qs[0] % 8 or qs[1] % 8:  # (q_strides_fit, inline: the hot path)
             return None
         kv = []
         for c in (k_cache, v_cache):

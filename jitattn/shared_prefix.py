@@ -205,8 +205,12 @@ class SharedPrefixPrefill:
         "ragged"; "naive" for variants that ragged would change; when none of those fits the
         capacities, the first other exact strategy that does (multi_item and custom_mask plan
         the batch as one request). Raises as plan() for arguments it would refuse."""
-        prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim = _batch_args(
-            prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim)
+        return self._choose(*_batch_args(prefix_len, suffix_lens, num_qo_heads, num_kv_heads,
+                                         head_dim))
+
+    def _choose(self, prefix_len: int, suffix_lens: list, num_qo_heads: int, num_kv_heads: int,
+                head_dim: int) -> str:
+        """choose() of checked arguments (_batch_args)."""
         m, longest = len(suffix_lens), max(suffix_lens)
         features = layout_features(self.variant)
         table = tune.load(tune.device_key(self.device))
@@ -263,7 +267,7 @@ class SharedPrefixPrefill:
         suffix has no token."""
         prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim = _batch_args(
             prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim)
-        strategy = self.choose(prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim) \
+        strategy = self._choose(prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim) \
             if self.strategy == "auto" else self.strategy
         p, s = prefix_len, suffix_lens
         # before any per-token array is built (P = 2**30 allocated 8 GiB before the length

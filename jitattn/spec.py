@@ -30,7 +30,7 @@ from .args import int_arg
 from .dsl import SpecError
 from .params import ScalarParam, TensorParam
 from .emit import FLOAT32_MAX
-from .porting import CALL_KEYWORDS_ELSEWHERE, variant_keywords
+from .porting import CALL_KEYWORDS_ELSEWHERE, unexpected_variant_keywords
 
 # captured tensors as a torch.compile graph passed them to a jitattn op (ops.py), by parameter
 # name: their current values, where the Variant's own tensor may not have received an in-place
@@ -452,7 +452,7 @@ def _variant_init(self, *args, **kwargs):
     library's way of saying a field (causal=, sliding_window=, logits_soft_cap=, ...)."""
     unknown = set(kwargs) - _VARIANT_FIELDS
     if unknown:
-        raise variant_keywords(unknown, _FIELD_ORDER)
+        raise unexpected_variant_keywords(unknown, _FIELD_ORDER)
     _dataclass_init(self, *args, **kwargs)
 
 

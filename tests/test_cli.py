@@ -20,6 +20,12 @@ def test_reports_do_not_make_the_cache(tmp_path, monkeypatch, capsys):
         assert f"{root} (not made yet: the first build makes it), no entries" in \
             capsys.readouterr().out
     assert not (tmp_path / "never").exists()
+    # a root that no build could make is reported as unusable, as before
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(tmp_path / "a-file" / "sub"))
+    assert cli.main(["doctor"]) == 0
+    assert "is not usable" in capsys.readouterr().out
+    assert cli.main(["cache", "clear"]) == 1
 
 
 def test_doctor(capsys):
@@ -229,8 +235,16 @@ def test_options_before_the_variant_file(capsys, monkeypatch):
     assert cli.main(["compile", "--head-dim", "64", "128", variant_file, "--cpu"]) == 0
     assert cli.main(["compile", "--cpu", "--kind", "decode", variant_file]) == 0
     assert [(a.variant_file, a.head_dim, a.kind, a.cpu) for a in seen] == [
-        (variant_file, [64, 128], list(render.KINDS), True),
+        (variant_file, [64, 128], None, True),  # (None: every kind, an option not given)
         (variant_file, [128], ["decode"], True)]
+    # a "--" ends the options: the file after it stays where it is (a trailing "--" left
+    # behind was refused)
+    assert cli.main(["compile", "--head-dim", "64", "--", variant_file]) == 0
+    assert (seen[-1].variant_file, seen[-1].head_dim) == (variant_file, [64])
+    with pytest.raises(SystemExit):  # a second file, after the first
+        cli.main(["compile", variant_file, "--head-dim", "64", variant_file])
+    assert "compile takes one variant file, before the options or after --" in \
+        capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["compile", variant_file, "--head-dim", "96", "--cpu"])
     assert "'96': expected one of 32, 64, 128, 256" in capsys.readouterr().err

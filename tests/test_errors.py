@@ -504,9 +504,12 @@ def test_flashinfer_plan_keywords_say_where_they_live():
                                         r"qo_indptr_arr= is qo_indptr= here \(a list: one tensor "
                                         r"per level\); page_size= is the constructor's"):
         cascade.plan(qo_indptr_arr=[], page_size=16)
-    with pytest.raises(TypeError, match=r"paged_kv_indptr_arr= is FlashInfer's; CascadeDecode"
-                                        r"\.plan\(\) takes shared_kv_indices, "):
+    with pytest.raises(TypeError, match=r"paged_kv_indptr_arr= is unique_kv_indptr= here "
+                                        r"\(each request's own pages; the shared prefix's are "
+                                        r"shared_kv_indices=\)"):
         ja.CascadeDecode(V, device="cpu").plan(paged_kv_indptr_arr=[])
+    with pytest.raises(TypeError, match=r"qo_indptr_arr= is qo_indptr= here \(README"):
+        ja.BatchPrefill(V, device="cpu").plan(qo_indptr_arr=[])  # (one tensor, not per level)
     with pytest.raises(TypeError, match=r"got unexpected keyword arguments \['bogus', "
                                         r"'bogus2'\]$"):
         dec.plan(*args, bogus=1, bogus2=2)
@@ -693,7 +696,14 @@ def test_every_entry_point_warns_that_outputs_do_not_track_gradients():
     sp.plan(2, [1], 4, 2, 64)
     kv = torch.randn(3, 2, 64).half()
     o, lse = torch.randn(3, 4, 64), torch.randn(3, 4)
+    grad_cache = (cache[0].clone().requires_grad_(), cache[1])  # (a cache alone: the eager
+    #                                               run() said nothing, the compiled one warned)
+    cd = ja.CascadeDecode(variant, page_size=16, device="cpu", strategy="cascade")
+    cd.plan(torch.tensor([0], **i32), 5, torch.tensor([0, 1], **i32), torch.tensor([1], **i32),
+            torch.tensor([3], **i32), 4, 2, 64)
     for call, fn in (("BatchPrefill.run", lambda: w.run(q, cache)),
+                     ("BatchPrefill.run", lambda: w.run(q.detach(), grad_cache)),
+                     ("CascadeDecode.run", lambda: cd.run(q[:1].detach(), grad_cache)),
                      ("SharedPrefixPrefill.run", lambda: sp.run(q, kv, kv)),
                      ("merge_state", lambda: ja.merge_state(o.requires_grad_(), lse, o, lse))):
         with pytest.warns(UserWarning, match=f"{call} has no backward"):
