@@ -202,9 +202,11 @@ def kv_linear(score):
 
     The CUDA kernels then evaluate the bias per tile and row as coef * (sign * kv0 + off) + cst
     at the thread's first key kv0 (an exact int before one conversion), and per score add only
-    coef * sign * c for the key's constant column offset c: two fused multiply-adds per score
-    instead of the traced form's index arithmetic, int-to-float conversion, multiply and add
-    (ncu, session 9: ALiBi's score_mod was 284 of its 739 instructions per tile and warp)."""
+    coef * sign * c for the key's constant column offset c: one fused multiply-add per score
+    on the raw product (the bias and sm_scale join the softmax's per-row terms; two at head_dim
+    256 and in sigmoid variants) instead of the traced form's index arithmetic, int-to-float
+    conversion, multiply and add (ncu, session 9: ALiBi's score_mod was 284 of its 739
+    instructions per tile and warp)."""
     def row_invariant(e):
         return hasattr(e, "op") and _symbols(e, {}) <= ROW_SYMBOLS
 

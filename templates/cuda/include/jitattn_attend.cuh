@@ -59,10 +59,18 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // a score_mod OUTER * inner(INNER * score), OUTER > 0 (soft-cap): INNER joins the scores'
   // factor and OUTER the softmax's, and the scores take inner alone (Variant::SCALED_FORM)
   constexpr bool SCALED = Variant::SCALED_FORM && !Variant::SIGMOID;
+  // KV_LINEAR softmax (ALiBi): the scores stay in units of the raw product, y = q.k +
+  // (coef / sm_scale) * c for the key's column offset c in the tile (one FFMA a score); the
+  // bias at the tile's first key (lin_base) and sm_scale join the row maximum and the
+  // exponent's per-row FFMA instead (x = sm_scale * y + lin_base, sm_scale > 0). (Not at
+  // head_dim 256, where ptxas spilled 8 bytes instead of 4.)
+  constexpr bool LIN_Y = Variant::KV_LINEAR && !Variant::SIGMOID && HEAD_DIM <= 128;
   const float score_scale = FOLD_SCALE ? 1.f : SCALED ? a.sm_scale * Variant::INNER_SCALE
                                                       : a.sm_scale;
   const float exp_scale = FOLD_SCALE ? a.sm_scale * LOG2E
                                      : SCALED ? Variant::OUTER_SCALE * LOG2E : LOG2E;
+  // the exponent's factor of what s holds (LIN_Y: raw products, exp_scale's units times sm_scale)
+  const float y_scale = LIN_Y ? score_scale * exp_scale : exp_scale;
   // An fp8 KV cache is copied as it is into the stages. Decode (FP8_REGS) converts it in
   // registers straight into the mma's B fragments: each lane reads the bytes of its fragments
   // with 16-byte loads, in a column order permuted so that they are contiguous (the same
@@ -436,6 +444,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         ri[mt][h] = row_info(req, w.hk, g, w.row0 + row_w + mt * 16 + lane / 4 + 8 * h);
         vrow[mt][h] = Variant::row(p, w.b, ri[mt][h].h, ri[mt][h].q_pos);
         lin[mt][h] = Variant::kv_linear(p, vrow[mt][h], w.b, ri[mt][h].h, ri[mt][h].q_pos);
+        if constexpr (LIN_Y) lin[mt][h].coef /= score_scale;  // (per raw-product unit)
         m[mt][h] = -JA_INF;
         l[mt][h] = 0.f;
       }
@@ -603,7 +612,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
                          (Variant::WINDOW_LEFT < 0 || pos_last - t0 <= Variant::WINDOW_LEFT);
       // KV_LINEAR (a bias linear in kv_idx, e.g. ALiBi): the bias at the thread's first key
       // of the tile per row, from an exact int (one rounding, as the traced form's), then per
-      // score the key's constant column offset c: coef * KV_SIGN * c + (score + that)
+      // score the key's constant column offset c: LIN_Y's y = (coef / sm_scale) * KV_SIGN * c
+      // + q.k (the bias and sm_scale join the softmax's per-row terms), else
+      // coef * KV_SIGN * c + (score + the bias)
       [[maybe_unused]] float lin_base[MT][2];
       if constexpr (Variant::KV_LINEAR) {
         const int kv0 = t0 + key_w + (lane % 4) * 2;
@@ -611,7 +622,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            lin_base[mt][h] = fmaf(lin[mt][h].coef,
+            lin_base[mt][h] = fmaf(LIN_Y ? lin[mt][h].coef * score_scale : lin[mt][h].coef,
                                    (float)(Variant::KV_SIGN * kv0 + lin[mt][h].off), lin[mt][h].cst);
       }
 #pragma unroll
@@ -623,7 +634,10 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
           const RowInfo& r = ri[mt][e / 2];
           const int kv_idx = t0 + key_w + n * 8 + (lane % 4) * 2 + (e % 2);
           float x;
-          if constexpr (Variant::KV_LINEAR)
+          if constexpr (LIN_Y)
+            x = fmaf(lin[mt][e / 2].coef, (float)(Variant::KV_SIGN * (n * 8 + e % 2)),
+                     s[mt][n][e]);
+          else if constexpr (Variant::KV_LINEAR)
             x = fmaf(lin[mt][e / 2].coef, (float)(Variant::KV_SIGN * (n * 8 + e % 2)),
                      fmaf(s[mt][n][e], score_scale, lin_base[mt][e / 2]));
           else if constexpr (SCALED)
@@ -661,7 +675,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
           // the fp32 sums hold exactly as well, and O and l are rescaled far less often. Any
           // m gives the same O / l and lse = m + log2 l (FlashAttention-4's conditional
           // rescaling, docs/sources.md).
-          float base[2], alpha[2];
+          float base[2], alpha[2], shift[2];
           bool grew = false;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -669,12 +683,17 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
 #pragma unroll
             for (int n = 0; n < NB; ++n)
               mx = fmaxf(mx, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
+            // (LIN_Y: into the scores' units with this lane's bias first: the row's four
+            // lanes hold keys at different offsets from the tile's start; -inf stays)
+            if constexpr (LIN_Y) mx = fmaf(mx, score_scale, lin_base[mt][h]);
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_max = fmaxf(m[mt][h], mx * exp_scale);
             // (-inf to finite: the difference is +inf; -inf to -inf: NaN, also not kept)
             const float m_new = m_max - m[mt][h] <= RESCALE_SLACK ? m[mt][h] : m_max;
             base[h] = m_new == -JA_INF ? 0.f : m_new;  // nothing visible yet: p = 0
+            // the exponent's per-row term: LIN_Y adds the tile's bias there
+            shift[h] = LIN_Y ? fmaf(lin_base[mt][h], exp_scale, -base[h]) : -base[h];
             alpha[h] = exp2_approx(m[mt][h] - base[h]);
             grew = grew || m_new != m[mt][h];
             m[mt][h] = m_new;
@@ -686,7 +705,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
               for (int n = 0; n < NB; ++n)
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                  s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], exp_scale, -base[h]));
+                  s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], y_scale, shift[h]));
                   row_sum[h] += s[mt][n][e];
                 }
           };
