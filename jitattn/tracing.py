@@ -58,7 +58,8 @@ class _Tracer:
         if self._frozen(t):
             raise SpecError(f"a tensor of shape {tuple(t.shape)} that the mod computed while "
                             f"it was traced (from a captured one: (t * 4.0)[h], t.float()[h], "
-                            f"t.T.contiguous()[h, k]) would keep the values it had then, "
+                            f"t.T.contiguous()[h, k], t[i][h] with i a captured tensor) would "
+                            f"keep the values it had then, "
                             f"where a captured tensor is read per call: compute it outside the "
                             f"mod and capture that, or write the arithmetic on the indexed "
                             f"value (t[h] * 4.0)")
@@ -85,13 +86,17 @@ class _Tracer:
             if p.scalar_of is t:
                 return p[0]
         name = self.names.get(id(t))
-        if self._frozen(t):  # (1 / t, t.exp(): torch computed it once, here)
-            raise SpecError(f"a 0-d tensor ({t.item()!r}) that the mod computed while it was "
+        if self._frozen(t):  # (1 / t, t.exp(), table[i]: torch computed it once, here)
+            with torch._C.DisableTorchFunction():  # (a value read _Computed would refuse)
+                value = t.item()
+            raise SpecError(f"a 0-d tensor ({value!r}) that the mod computed while it was "
                             f"traced would keep that value at every call (a captured 0-d "
                             f"tensor is read per call): write the arithmetic on the traced "
                             f"value (score / t, not score * (1 / t)), a Python number for a "
                             f"constant (float('-inf'), not torch.tensor(...)), or ja.scalar "
-                            f"for a runtime parameter")
+                            f"for a runtime parameter; a table indexed by a captured tensor i "
+                            f"(table[i]) is read per call indexed by a symbol too "
+                            f"(table[i + 0 * h])")
         if t.dtype not in dtypes.TAG:
             raise SpecError(f"captured 0-d tensor{f' {name!r}' if name else ''} has dtype "
                             f"{t.dtype}; expected one of {list(dtypes.FROM_NAME)} (or a Python "
@@ -145,6 +150,13 @@ def _storage(t: torch.Tensor) -> int | None:
         return None
 
 
+# torch functions that read a tensor's value into Python (_Computed refuses them on tensors
+# that are not constants)
+_VALUE_READS = frozenset((torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__float__,
+                          torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.tolist,
+                          torch.Tensor.numpy, torch.Tensor.__complex__))
+
+
 class _Computed(TorchFunctionMode):
     """Sorts the tensors torch computes while a mod is traced. Frozen: new data computed from
     a tensor that existed before the trace (a captured one: 1 / t, t * 4.0, t.T.contiguous())
@@ -152,9 +164,11 @@ class _Computed(TorchFunctionMode):
     whose values would be the trace's where a captured tensor is read per call. Constant: new
     data from no tensor, or from constants only (torch.arange(8), ja.alibi_slopes(8)), or a
     view of one: captured as they are. Anything else aliases a tensor from before the trace
-    (t.float() of a float32 t, t.detach(), t.view(2, 1), t[0]) and reads its live data.
-    ``made`` holds the frozen ones, ``constants`` the constant ones (held: no other tensor
-    takes their ids)."""
+    (t.float() of a float32 t, t.detach(), t.view(2, 1), t[0]) and reads its live data; a
+    view whose other tensor inputs are not constants (t[i], i a captured tensor: where it
+    views was decided by i's value now) is frozen. Reads of a non-constant tensor's value
+    into Python (bool(t), t.item(), float(t), t.tolist(), ...) are refused: the kernel would
+    keep the value of the trace."""
 
     def __init__(self, made: list):
         super().__init__()
@@ -165,18 +179,31 @@ class _Computed(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _VALUE_READS and args and isinstance(args[0], torch.Tensor) and \
+                not self._is(self.constants, args[0]):
+            raise SpecError(f"{getattr(func, '__name__', func)} of a tensor (shape "
+                            f"{tuple(args[0].shape)}) that existed before the trace, or was "
+                            f"computed from one, reads its value once, while the mod is "
+                            f"traced: the kernel would keep that value at every call. Keep "
+                            f"the tensor in the expression (torch.where(flag, a, b), "
+                            f"score * t, t[h]), or pass a Python number")
         out = func(*args, **kwargs)
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         if outs:
-            ins = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+            leaves = tree_leaves((args, kwargs))  # (tensors in slices too: t[i:i + 1])
+            ins = [x for leaf in leaves for x in ((leaf.start, leaf.stop, leaf.step)
+                                                  if isinstance(leaf, slice) else (leaf,))
+                   if isinstance(x, torch.Tensor)]
             for o in outs:
                 if any(o is x for x in ins):
                     continue  # (the input itself: its kind stays)
                 at = _storage(o)
                 shared = [x for x in ins if at is not None and _storage(x) == at]
                 sources = shared or ins  # (a view follows what it views)
+                placed_by = [x for x in ins if not any(x is s for s in shared)]  # (indices)
                 if any(self._is(self.made, x) for x in sources) or (
-                        not shared and any(not self._is(self.constants, x) for x in ins)):
+                        not shared and any(not self._is(self.constants, x) for x in ins)) or (
+                        shared and any(not self._is(self.constants, x) for x in placed_by)):
                     self.made.append(o)
                 elif all(self._is(self.constants, x) for x in sources):
                     self.constants.append(o)

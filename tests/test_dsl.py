@@ -585,3 +585,23 @@ def test_views_and_constants_made_in_a_mod_are_not_refused_as_computed():
         want = ja.attention(q, k, k, ja.Variant(name, mask="none", score_mod=plain[name]))
         torch.testing.assert_close(ja.attention(q, k, k, variant), want, atol=2e-3, rtol=0,
                                    msg=name)
+
+
+def test_values_read_at_trace_time_are_refused():
+    """A captured table indexed by a captured 0-d tensor (table[layer], one Variant for every
+    layer) kept the row of the trace; bool(flag), t.item() on captured tensors were baked into
+    the kernel too, and later in-place changes were ignored in silence."""
+    table, layer = torch.tensor([0.0, 1.0, -1.0, 2.0]), torch.tensor(1)
+    flag, temp = torch.tensor(True), torch.tensor(0.5)
+    for mod, text in ((lambda s, b, h, q, kv: s + table[layer] * kv, r"table\[i \+ 0 \* h\]"),
+                      (lambda s, b, h, q, kv: s * 2 if flag else s, r"__bool__ of a tensor"),
+                      (lambda s, b, h, q, kv: s + kv * temp.item(), r"item of a tensor"),
+                      (lambda s, b, h, q, kv: s + table[layer:layer + 1][0] * kv, "0-d tensor")):
+        with pytest.raises(SpecError, match=text):
+            ja.Variant("read_once", mask="none", score_mod=mod)
+    # what reads them per call still traces: the index inside the symbolic expression, the
+    # 0-d tensor itself, a literal index, and values of constants made in the mod
+    v = ja.Variant("read_per_call", mask="none",
+                   score_mod=lambda s, b, h, q, kv: s + table[layer + 0 * h] * kv * temp +
+                   table[1] + torch.tensor(2.0).item())
+    assert len(v.tensor_params) == 4  # table, layer, temp, and table[1] (a live 0-d view)
