@@ -157,6 +157,14 @@ class Expr:
     def __iter__(self):
         raise SpecError("a traced value cannot be iterated over")
 
+    def __str__(self):  # (str(kv_idx) == "3" traced as a constant: repr's text)
+        raise SpecError("a traced value cannot be turned into a string (str(), format(), an "
+                        "f-string, len() of one); compare the values themselves "
+                        "(kv_idx == 3)")
+
+    def __format__(self, spec):
+        return self.__str__()
+
     def __array__(self, *a, **k):
         raise SpecError("numpy functions and arrays cannot be traced; use the ja.* or torch "
                         "functions, and for a table a captured torch tensor "

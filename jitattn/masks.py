@@ -106,9 +106,15 @@ def mask_arrays(mode: str, masks: dict, qo_lens, kv_lens, cap: dict) -> dict:
         if len(prefix) != batch or len(max_item) != batch:
             raise ValueError(f"prefix_len and max_item_len need {batch} entries; got "
                              f"{len(prefix)} and {len(max_item)}")
-        if ((prefix < 0) | (prefix > kv_lens)).any():
-            raise ValueError(f"prefix_len {prefix.tolist()} must lie in [0, kv_len] "
-                             f"(kv_len {kv_lens.tolist()})")
+        bad = np.flatnonzero((prefix < 0) | (prefix > kv_lens))
+        if len(bad):
+            b = int(bad[0])
+            raise ValueError(f"prefix_len[{b}] = {prefix[b]} must lie in [0, kv_len] "
+                             f"(request {b}'s kv_len: {kv_lens[b]})")
+        if (max_item < 0).any():
+            b = int(np.flatnonzero(max_item < 0)[0])
+            raise ValueError(f"max_item_len[{b}] = {max_item[b]}: expected >= 0 (the longest "
+                             f"item's tokens)")
         counts = kv_lens - prefix
         if len(pos) != counts.sum():
             raise ValueError(f"token_pos_in_items has {len(pos)} entries; expected "
@@ -117,8 +123,10 @@ def mask_arrays(mode: str, masks: dict, qo_lens, kv_lens, cap: dict) -> dict:
         for b in range(batch):
             seg = pos[offsets[b]:offsets[b + 1]]
             if len(seg) and (seg.min() < 0 or seg.max() > max_item[b]):
+                at = int(np.flatnonzero((seg < 0) | (seg > max_item[b]))[0])
                 raise ValueError(f"token_pos_in_items of request {b} must lie in [0, "
-                                 f"max_item_len[{b}] = {max_item[b]}]")
+                                 f"max_item_len[{b}] = {max_item[b]}]; its entry {at} (entry "
+                                 f"{offsets[b] + at} of the tensor) is {seg[at]}")
         over = over_capacity(cap, "max_item_tokens", len(pos))
         if over is not None:
             raise ValueError(over)

@@ -141,5 +141,6 @@ def tensor(name: str, shape, dtype="float32") -> TensorParam:
                             f"{list(dtypes.FROM_NAME)}")
         dtype = dtypes.FROM_NAME[dtype]
     elif dtype not in dtypes.TAG:
-        raise SpecError(f"tensor {name!r}: dtype {dtype} is not supported")
+        raise SpecError(f"tensor {name!r}: dtype {dtype} is not supported; expected one of "
+                        f"{list(dtypes.FROM_NAME)}")
     return TensorParam(name, shape, dtype)

@@ -135,9 +135,9 @@ class RunInputs:
                 raise ValueError(f"q is on {q.device}, {name} on {c.device}; the wrapper "
                                  f"was built for {self.device}")
             if not kv_strides_fit(c):
-                raise ValueError(f"{name} has strides {c.stride()}; expected the last dim "
-                                 f"contiguous, other strides multiples of 16 bytes, 16-byte "
-                                 f"aligned")
+                raise ValueError(f"{name} has strides {c.stride()} (data pointer "
+                                 f"{c.data_ptr():#x}); expected the last dim contiguous, other "
+                                 f"strides multiples of 16 bytes, a 16-byte aligned pointer")
             if self.max_page >= c.shape[0]:
                 unit = "token" if self.kv_layout == "ragged" else "page"
                 where = " (kv_indptr[-1] - 1, or the last row of a shared prefix: " \

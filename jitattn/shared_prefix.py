@@ -409,9 +409,9 @@ class SharedPrefixPrefill:
         for name, t in (("k", k), ("v", v)):  # (else a strategy's inner call names k_cache, in
             #                                     its own layout's strides)
             if not kv_strides_fit(t):
-                raise ValueError(f"{name} has strides {t.stride()}; expected the last dim "
-                                 f"contiguous, other strides multiples of 16 bytes, 16-byte "
-                                 f"aligned")
+                raise ValueError(f"{name} has strides {t.stride()} (data pointer "
+                                 f"{t.data_ptr():#x}); expected the last dim contiguous, other "
+                                 f"strides multiples of 16 bytes, a 16-byte aligned pointer")
         caller_out = out is not None
         # (contiguous, as q may not be)
         given = out = launch.output_buffer("out", out, q.shape, q.dtype, q.device)

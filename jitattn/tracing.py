@@ -7,6 +7,7 @@ reads.
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -19,15 +20,16 @@ from torch.utils._pytree import tree_leaves
 
 from . import dtypes
 from .dsl import SYMBOLS, Expr, SpecError, _lift
-from .params import TensorParam
 from .emit import emit_cpp
+from .params import TensorParam
 
 
 def _offending_line(error: BaseException) -> str:
     """'; file:line: `code`' of the innermost frame of user code (outside jitattn, torch and
     numpy) in the error's traceback: the line whose construct could not be traced. '' when
     there is none."""
-    libraries = tuple(str(Path(m.__file__).resolve().parent) for m in (dtypes, torch, np))
+    libraries = tuple(str(Path(m.__file__).resolve().parent) + os.sep  # (not jitattn_mods/)
+                      for m in (dtypes, torch, np))
     user = [f for f in traceback.extract_tb(error.__traceback__)
             if not str(Path(f.filename).resolve()).startswith(libraries)]
     if not user:

@@ -309,11 +309,19 @@ def test_mask_arguments_are_checked():
         plain.plan(qo, kv_indptr, kv_indices, last, 4, 2, 64,
                    custom_mask=torch.ones(30, dtype=torch.bool))
     multi = ja.BatchPrefill(ja.Variant("m", mask="multi_item"), device="cpu")
-    with pytest.raises(ValueError, match="token_pos_in_items of request 0"):
+    with pytest.raises(ValueError, match=r"token_pos_in_items of request 0 must lie in \[0, "
+                                         r"max_item_len\[0\] = 4\]; its entry 0 \(entry 0 of "
+                                         r"the tensor\) is 9"):
         multi.plan(qo, kv_indptr, kv_indices, last, 4, 2, 64,
                    prefix_len=torch.tensor([5, 5], dtype=torch.int32),
                    token_pos_in_items=torch.full((20,), 9, dtype=torch.int32),
                    max_item_len=torch.tensor([4, 4], dtype=torch.int32))
+    # a negative max_item_len was blamed on token_pos_in_items (or taken, without items)
+    with pytest.raises(ValueError, match=r"max_item_len\[1\] = -1: expected >= 0"):
+        multi.plan(qo, kv_indptr, kv_indices, last, 4, 2, 64,
+                   prefix_len=torch.tensor([5, 5], dtype=torch.int32),
+                   token_pos_in_items=torch.zeros(20, dtype=torch.int32),
+                   max_item_len=torch.tensor([4, -1], dtype=torch.int32))
     with pytest.raises(ValueError, match="BatchPrefill.plan"):
         ja.attention(torch.randn(3, 4, 64, dtype=torch.float16),
                      torch.randn(3, 2, 64, dtype=torch.float16),

@@ -605,3 +605,11 @@ def test_values_read_at_trace_time_are_refused():
                    score_mod=lambda s, b, h, q, kv: s + table[layer + 0 * h] * kv * temp +
                    table[1] + torch.tensor(2.0).item())
     assert len(v.tensor_params) == 4  # table, layer, temp, and table[1] (a live 0-d view)
+
+
+def test_a_symbol_turned_into_a_string_is_refused():
+    """str(kv_idx) == "3" traced as a constant (the repr's text), in silence."""
+    for mod in (lambda s, b, h, q, kv: s + 5.0 * (str(kv) == "3"),
+                lambda s, b, h, q, kv: s + 0.1 * len(f"{kv}")):
+        with pytest.raises(SpecError, match="cannot be turned into a string"):
+            ja.Variant("stringly", mask="none", score_mod=mod)
