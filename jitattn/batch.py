@@ -46,6 +46,11 @@ def page_size_arg(page_size, call: str) -> int:
     if isinstance(page_size, str) and page_size in LAYOUTS:
         raise TypeError(f"page_size={page_size!r}: expected an int >= 1; the layout is the "
                         f"argument after it ({call}page_size=16, kv_layout={page_size!r}))")
+    if isinstance(page_size, torch.Tensor) and page_size.dim() > 0:  # (FlashInfer's buffer)
+        raise TypeError(f"page_size=<tensor of shape {tuple(page_size.shape)}, "
+                        f"{page_size.dtype}>: expected an int >= 1; FlashInfer's wrappers take "
+                        f"a workspace buffer there, jitattn's size their own from the "
+                        f"capacities ({call}page_size=16, max_num_pages=...))")
     return int_arg("page_size", page_size)
 
 
@@ -284,7 +289,8 @@ class BatchPrefill:
         pages laid out as kv_layout, or one [num_pages, 2, ...] tensor, of the planned kv_dtype.
         out / lse: optional outputs [total_q, num_qo_heads, head_dim] / [total_q, num_qo_heads],
             contiguous (out 16-byte aligned); out is q itself (in place) or shares no memory
-            with it, and none with lse (ValueError).
+            with it, and none with lse (ValueError). Overlap with the caches is not checked
+            (host time): an out inside k_cache / v_cache overwrites pages the kernels read.
         k_scale / v_scale: Python floats, the caches' dequantization scales (K = k_scale *
             k_cache, V = v_scale * v_cache; for fp8 caches quantized per tensor). k_scale is
             folded into the softmax scale, v_scale multiplies the output.

@@ -463,6 +463,15 @@ def test_query_kind_rule():
         "decode"
 
 
+def test_a_workspace_buffer_where_page_size_goes_gets_a_hint():
+    """FlashInfer's wrappers take a workspace buffer second: the message printed the tensor."""
+    with pytest.raises(TypeError, match=r"page_size=<tensor of shape \(131072,\), torch.uint8>: "
+                                        r"expected an int >= 1; FlashInfer's wrappers take a "
+                                        r"workspace buffer there"):
+        ja.BatchDecode(ja.Variant("c"), torch.empty(131072, dtype=torch.uint8), "NHD",
+                       device="cpu")
+
+
 def test_query_tile_is_checked():
     with pytest.raises(ValueError, match="query_tile='tiny'"):
         ja.BatchPrefill(ja.Variant("c"), device="cpu", query_tile="tiny")
