@@ -181,6 +181,12 @@ def _positional_hints(signature, args, kwargs, ctor: str) -> list:
              if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     ragged = bool(args) and getattr(args[0], "kv_layout", None) == "ragged"
     hints = []
+    heads_at = names.index("num_qo_heads") if "num_qo_heads" in names else None
+    if "qo_indptr" not in names and "kv_indptr" in names and heads_at is not None and \
+            len(args) > heads_at and hasattr(args[heads_at], "shape"):  # (a tensor there: one
+        #                                          more before, a prefill plan's qo_indptr)
+        return [f"{type(args[0]).__name__}.plan() takes no qo_indptr (one query per request): "
+                f"plan({', '.join(names[1:])})"]
     if "kv_indptr" in names and len(args) > len(names) and names[-1] == "head_dim" and \
             not ragged:  # (a ragged plan has no page_size: FlashInfer's next is head_dim_vo)
         hints.append(f"the argument after head_dim ({args[len(names)]!r}) would be FlashInfer's "

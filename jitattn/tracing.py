@@ -292,7 +292,7 @@ def trace(fn, kind: str) -> Traced:
     except RecursionError:
         raise SpecError(f"{label} (defined at {src}): expression too deeply nested") from None
     except Exception as e:  # noqa: BLE001 -- any failure inside user code is a spec problem
-        raise SpecError(f"{label} (defined at {src}) could not be traced: "
+        raise SpecError(f"{label} (defined at {src}{_offending_line(e)}) could not be traced: "
                         f"{type(e).__name__}: {e}. Only arithmetic, comparisons, &|~ and the "
                         f"ja.* functions are supported") from e
     finally:

@@ -607,6 +607,16 @@ def test_values_read_at_trace_time_are_refused():
     assert len(v.tensor_params) == 4  # table, layer, temp, and table[1] (a live 0-d view)
 
 
+def test_untraceable_python_names_its_failing_line():
+    """An AttributeError or TypeError in the mod named only the def line."""
+    def mod(score, b, h, q_idx, kv_idx):
+        x = score + 1.0
+        return x.sqrt()
+    with pytest.raises(SpecError, match=r"failing line test_dsl\.py:\d+ `return x\.sqrt\(\)`\) "
+                                        r"could not be traced: AttributeError"):
+        ja.Variant("unrooted", mask="none", score_mod=mod)
+
+
 def test_a_symbol_turned_into_a_string_is_refused():
     """str(kv_idx) == "3" traced as a constant (the repr's text), in silence."""
     for mod in (lambda s, b, h, q, kv: s + 5.0 * (str(kv) == "3"),

@@ -513,6 +513,10 @@ def test_flashinfer_plan_keywords_say_where_they_live():
     with pytest.raises(TypeError, match=r"got unexpected keyword arguments \['bogus', "
                                         r"'bogus2'\]$"):
         dec.plan(*args, bogus=1, bogus2=2)
+    # a prefill plan's qo_indptr first (its page_size hint blamed head_dim's 32)
+    with pytest.raises(TypeError, match=r"BatchDecode\.plan\(\) takes no qo_indptr \(one query "
+                                        r"per request\): plan\(kv_indptr, kv_indices, "):
+        dec.plan(torch.tensor([0, 1], **i32), *args)
 
 
 def test_a_wrapper_on_cpu_0_names_the_real_problem():
