@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 from .dsl import IntOverflowWarning, SpecError, abs_ as abs, exp, log, maximum, minimum, sigmoid, tanh, where  # noqa: E501
 from .params import scalar, tensor
 from .mods import alibi_slopes, soft_cap
-from .spec import RoPE, Variant
+from .rope import RoPE
+from .spec import Variant
 from .build import CompileError
 from .api import attention
 from .batch import BatchDecode, BatchPrefill
