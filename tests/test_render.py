@@ -229,20 +229,26 @@ def _cubin(src, tmp: str) -> tuple[str, str]:
     return log.stderr, path + ".cubin"
 
 
+_SLOPES = ja.tensor("slopes", ("num_qo_heads",), "float32")
+
+
 @needs_nvcc
-@pytest.mark.parametrize("mask, dtype_tag, head_dim", [("causal", "bf16", 128),
-                                                      ("none", "f16", 128),
-                                                      ("causal", "f16", 64)])
-def test_wide_kv_tile_kernels_do_not_spill(mask, dtype_tag, head_dim):
+@pytest.mark.parametrize("mask, dtype_tag, head_dim, kv_tile", [("causal", "bf16", 128, 192),
+                                                               ("none", "f16", 128, 192),
+                                                               ("causal", "f16", 64, 192),
+                                                               ("alibi", "f16", 128, 128)])
+def test_wide_kv_tile_kernels_do_not_spill(mask, dtype_tag, head_dim, kv_tile):
     """The 192-key wgmma kernels (the tightest: the shared-prefix build, 255 registers at
-    head_dim 128) fit in the registers: ptxas reports no spill stores, and it does not
+    head_dim 128), and ALiBi's (a range's last tile first, narrowed: two more instantiations
+    of a tile's step), fit in the registers: ptxas reports no spill stores, and it does not
     serialize their wgmma instructions (C75xx "Potential Performance Loss", e.g. a branch
     between them or a divergent path that holds a wait)."""
-    v = ja.Variant("wide", mask=mask)
+    v = ja.Variant("wide", mask=mask) if mask != "alibi" else ja.Variant(
+        "alibi", mask="causal", score_mod=lambda s, b, h, qi, ki: s + _SLOPES[h] * (ki - qi))
     for shared_kv in (False, True):
         src = render.render_cuda(v, kind="prefill", dtype_tag=dtype_tag, head_dim=head_dim,
                                  arch="sm_90a", shared_kv=shared_kv)
-        assert src.tiles.kv_tile == 192
+        assert src.tiles.kv_tile == kv_tile
         with tempfile.TemporaryDirectory() as tmp:
             log, _ = _cubin(src, tmp)
         spills = re.findall(r"(\d+) bytes spill stores", log)

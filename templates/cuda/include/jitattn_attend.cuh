@@ -21,6 +21,7 @@
 namespace ja {
 
 template <bool B> struct Flag { static constexpr bool value = B; };  // a compile-time bool
+template <int N> struct Keys { static constexpr int value = N; };    // a tile's computed keys
 
 // Rotate rows [0, rows) of a 16-bit tile in shared memory (RoFormer eq. 34); pos(r) is the
 // position of row r, or -1 to leave it. Threads tid of nthreads share the work.
@@ -65,6 +66,9 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // exponent's per-row FFMA instead (x = sm_scale * y + lin_base, sm_scale > 0). (Not at
   // head_dim 256, where ptxas spilled 8 bytes instead of 4.)
   constexpr bool LIN_Y = Variant::KV_LINEAR && !Variant::SIGMOID && HEAD_DIM <= 128;
+  // WGMMA and KV_LINEAR: a range's last tile first (see last_keys below); for ALiBi the row
+  // maximum then comes with the first tile and no later tile raises it (no rescaling of O)
+  constexpr bool LAST_FIRST = WGMMA && Variant::KV_LINEAR;
   const float score_scale = FOLD_SCALE ? 1.f : SCALED ? a.sm_scale * Variant::INNER_SCALE
                                                       : a.sm_scale;
   const float exp_scale = FOLD_SCALE ? a.sm_scale * LOG2E
@@ -179,6 +183,19 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     const int row_last = min(w.row0 + ROWS_CTA, packed_rows) - 1;
     const int2 range = kv_range(req, g, w.row0, row_last, w.kv_lo, w.kv_hi);
     const int num_tiles = range.y > range.x ? (range.y - range.x + BLOCK_N - 1) / BLOCK_N : 0;
+    // LAST_FIRST: the range's last tile comes first, then tiles 0 .. num_tiles - 2 (the
+    // online softmax's result does not depend on the order beyond rounding). Where the range
+    // ends within that tile's first 64 or 128 keys, its S = Q K^T, softmax and P V cover those
+    // keys alone (last_keys), in separate instantiations of the first two tiles' steps. (For
+    // all wgmma kernels: measured no faster for plain causal prefill, session 25, and at
+    // 192-key tiles the shared-prefix build spilled 4 bytes; narrowing the last tile after
+    // the loop instead spilled up to 108 and measured 3% slower.)
+    [[maybe_unused]] const int last_keys =
+        LAST_FIRST && num_tiles > 0
+            ? (range.y - range.x - (num_tiles - 1) * BLOCK_N + 63) / 64 * 64 : BLOCK_N;
+    auto tile_t0 = [&](int i) {  // the first key of the item's i-th tile in the loop's order
+      return range.x + (LAST_FIRST ? (i == 0 ? num_tiles - 1 : i - 1) : i) * BLOCK_N;
+    };
     const int pos_first = req.kv_len - req.q_len + w.row0 / g;
     const int pos_last = req.kv_len - req.q_len + row_last / g;
 
@@ -278,11 +295,12 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     const int ws_page_step = ws_layout.kv_indices != nullptr && 16 % ws_layout.page_size.d == 0
                                  ? 16 / ws_layout.page_size.d : 0;
     // this warpgroup's tensor of the item's tile t, once the stage is empty
-    auto load_ws = [&](int t) {
+    // (LAST_FIRST: t0, the tile's first key, from the caller, who knows t > 0 in the loop)
+    auto load_ws = [&](int t, int t0_given) {
+      const int t0 = LAST_FIRST ? t0_given : range.x + t * BLOCK_N;
       const int G = gt + t, stage = G % STAGES, use = G / STAGES;
       if (use > 0) mbar_wait(wg == 0 ? &empty_k[stage] : &empty_v[stage], (use - 1) & 1);
       const unsigned base = smem_addr(kv_s + (stage * 2 + wg) * BLOCK_N * TILE_ROW) + ws_dst;
-      const int t0 = range.x + t * BLOCK_N;
       // ragged: the tile's keys lie in one run (the shared prefix's or the request's own), whose
       // logical key 0 is row run0; a tile across the end of the shared prefix takes the
       // per-row path at the end
@@ -390,7 +408,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     if constexpr (WGMMA) {  // K of tiles 0 .. STAGES - 1, V of tiles 0 .. STAGES - 2
 #pragma unroll
       for (int t = 0; t < STAGES; ++t)
-        if (t < num_tiles && (wg == 0 || t < STAGES - 1)) load_ws(t);
+        if (t < num_tiles && (wg == 0 || t < STAGES - 1)) load_ws(t, tile_t0(t));
     } else {
 #pragma unroll
       for (int t = 0; t < STAGES - 1; ++t) {  // one cp.async group per tile, empty past the end
@@ -457,7 +475,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     // WGMMA: P of the previous tile, the A operand of its product with V (issued with the
     // next tile's S), and that product over the V tile at v_tile
     unsigned pa_prev[WGMMA ? KEYS_WARP / 16 : 1][4];
-    auto issue_pv = [&](const DType* v_tile) {
+    auto issue_pv = [&](const DType* v_tile, auto keys) {  // over the tile's first keys.value
       if constexpr (WGMMA) {
         // V in the panels is N-major (transposed B): 16 keys a step are two 1024-byte atoms,
         // the panels of 64 columns lie BLOCK_N * 128 bytes apart
@@ -466,7 +484,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         wgmma_hold(pa_prev);
         const unsigned long long v_desc = wgmma_desc(v_tile, BLOCK_N * 64 * 2, 1024);
 #pragma unroll
-        for (int kk = 0; kk < KEYS_WARP / 16; ++kk)
+        for (int kk = 0; kk < decltype(keys)::value / 16; ++kk)
           Wgmma<DType, HEAD_DIM>::rs_acc(acc, pa_prev[kk],
                                          wgmma_desc_add(v_desc, kk * 16 * 64 * (int)sizeof(DType)));
       }
@@ -475,14 +493,21 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       return kv_s + (G % STAGES) * 2 * BLOCK_N * TILE_ROW + BLOCK_N * TILE_ROW;
     };
 
-    // one tile of the loop. FIRST (WGMMA only): tile 0, which has no previous product to
-    // issue; a separate instantiation, since a branch between the wgmmas would make ptxas
-    // serialize them (warning C7520)
+    // one tile of the loop. FIRST (WGMMA only): the first tile, which has no previous product
+    // to issue; a separate instantiation, since a branch between the wgmmas would make ptxas
+    // serialize them (warning C7520). NK (below BLOCK_N only for a FIRST tile, see last_keys):
+    // S and the softmax cover the tile's first NK keys, and P is 0 past them; prev: the keys
+    // of the previous tile's product P V, issued here (the product after the loop, of a
+    // range's only tile, runs over the whole tile, whose V rows past the range are 0).
     // WGMMA: whether K of the next tile and V of this one have landed, probed before this
     // tile's P is packed (trace build: two waits in turn took about 200 cycles a tile)
     [[maybe_unused]] bool kv_landed = false;
-    auto step = [&](const int tile, auto first) {
+    auto step = [&](const int tile, auto first, auto keys, auto prev) {
       [[maybe_unused]] constexpr bool FIRST = decltype(first)::value;
+      constexpr int NK = decltype(keys)::value, NBK = NK / 8;  // keys and 8-key blocks computed
+      static_assert((NK == KEYS_WARP || (LAST_FIRST && FIRST && NK % 64 == 0)) &&
+                        (decltype(prev)::value == KEYS_WARP || (LAST_FIRST && !FIRST)),
+                    "a narrow tile: the first of a LAST_FIRST range");
       if constexpr (!WGMMA) {  // (WGMMA: copied at the end of the previous tile, see below)
         const int ahead = tile + STAGES - 1;
         if (ahead < num_tiles) {
@@ -514,7 +539,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         k_s += ((WGMMA ? G : tile) % STAGES) * 2 * BLOCK_N * TILE_ROW;
       }
       const DType* v_s = k_s + BLOCK_N * TILE_ROW;
-      const int t0 = range.x + tile * BLOCK_N;
+      const int t0 = tile_t0(tile);
       if constexpr (Variant::ROPE != 0) {  // the copied rows
         rope_tile<DType, HEAD_DIM, ROW>(k_s + key_w * ROW, COPY_ROWS,
                                         [&](int j) { return t0 + key_w + j; }, copy_tid,
@@ -535,20 +560,20 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       if constexpr (WGMMA) {
         // the warpgroup's 64 rows of Q times the tile's keys, k = 16 columns at a time: K-major
         // operands, 32 bytes further into the panel's swizzled 128-byte rows per step
-        float(&acc)[NB * 4] = *reinterpret_cast<float(*)[NB * 4]>(&s[0][0][0]);
+        float(&acc)[NK / 2] = *reinterpret_cast<float(*)[NK / 2]>(&s[0][0][0]);
         const unsigned long long q_desc = wgmma_desc(q_s + wg * 64 * 64, 16, 1024),
                                  k_desc = wgmma_desc(k_s, 16, 1024);
         named_bar_sync(1 + wg, 256);  // this warpgroup's turn to issue
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KD; ++kk)
-          Wgmma<DType, BLOCK_N>::ss(
+          Wgmma<DType, NK>::ss(
               acc,
               wgmma_desc_add(q_desc, ((kk / 4) * ROWS_CTA * 64 + (kk % 4) * 16) * (int)sizeof(DType)),
               wgmma_desc_add(k_desc, ((kk / 4) * BLOCK_N * 64 + (kk % 4) * 16) * (int)sizeof(DType)),
               kk > 0);
         wgmma_commit();
-        if constexpr (!FIRST) issue_pv(v_of(G - 1));
+        if constexpr (!FIRST) issue_pv(v_of(G - 1), prev);
         wgmma_commit();
         named_bar_arrive(2 - wg, 256);  // the other warpgroup's turn
         wgmma_wait<1>();  // S (the previous tile's product may still run)
@@ -628,7 +653,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int n = 0; n < NB; ++n) {
+      for (int n = 0; n < NBK; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const RowInfo& r = ri[mt][e / 2];
@@ -662,7 +687,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       for (int mt = 0; mt < MT; ++mt) {
         if constexpr (Variant::SIGMOID) {
 #pragma unroll
-          for (int n = 0; n < NB; ++n)
+          for (int n = 0; n < NBK; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               float& x = s[mt][n][e];
@@ -681,7 +706,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
           for (int h = 0; h < 2; ++h) {
             float mx = -JA_INF;
 #pragma unroll
-            for (int n = 0; n < NB; ++n)
+            for (int n = 0; n < NBK; ++n)
               mx = fmaxf(mx, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
             // (LIN_Y: into the scores' units with this lane's bias first: the row's four
             // lanes hold keys at different offsets from the tile's start; -inf stays)
@@ -702,7 +727,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
-              for (int n = 0; n < NB; ++n)
+              for (int n = 0; n < NBK; ++n)
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e) {
                   s[mt][n][e] = exp2_approx(fmaf(s[mt][n][e], y_scale, shift[h]));
@@ -768,9 +793,13 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         const bool v_in = mbar_test(&full_v[G % STAGES], (G / STAGES) & 1);
         kv_landed = (tile + 1 < num_tiles) & k_in & v_in;
 #pragma unroll
-        for (int kk = 0; kk < KEYS_WARP / 16; ++kk) {
+        for (int kk = 0; kk < NK / 16; ++kk) {
           pack_p(0, kk, pa_prev[kk]);
         }
+#pragma unroll
+        for (int kk = NK / 16; kk < KEYS_WARP / 16; ++kk)  // (past the range: V's rows are 0)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pa_prev[kk][e] = 0u;
       }
       if constexpr (FP8_REGS) {
         // B fragments: keys (2t, 2t + 1) and (2t + 8, 2t + 9) of each 16-key step, t = lane % 4,
@@ -823,16 +852,37 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         // K of tile + STAGES into tile's slot, V of tile + STAGES - 1 into the slot of
         // tile - 1, once both warpgroups are done with it (load_ws waits for its empty barrier)
         const int next = tile + (wg == 0 ? STAGES : STAGES - 1);
-        if (next < num_tiles) load_ws(next);
+        if (next < num_tiles)  // (next > 0)
+          load_ws(next, range.x + (LAST_FIRST ? next - 1 : next) * BLOCK_N);
       } else {
         tile_barrier();  // this stage is consumed before tile + STAGES is loaded into it
       }
     };
     if constexpr (WGMMA) {
-      if (num_tiles > 0) step(0, Flag<true>{});
-      for (int tile = 1; tile < num_tiles; ++tile) step(tile, Flag<false>{});
+      // the first tile, narrowed, and the second, whose product P V with the first's V is
+      // narrowed alike
+      constexpr Keys<BLOCK_N> full{};
+      int tile = 1;
+      if (num_tiles > 0) {
+        if (!LAST_FIRST || last_keys == BLOCK_N) {
+          step(0, Flag<true>{}, full, full);
+        } else if constexpr (LAST_FIRST && BLOCK_N > 128) {
+          if (last_keys == 128) {
+            step(0, Flag<true>{}, Keys<128>{}, full);
+            if (num_tiles > 1) step(tile++, Flag<false>{}, full, Keys<128>{});
+          } else {
+            step(0, Flag<true>{}, Keys<64>{}, full);
+            if (num_tiles > 1) step(tile++, Flag<false>{}, full, Keys<64>{});
+          }
+        } else if constexpr (LAST_FIRST && BLOCK_N > 64) {
+          step(0, Flag<true>{}, Keys<64>{}, full);
+          if (num_tiles > 1) step(tile++, Flag<false>{}, full, Keys<64>{});
+        }
+      }
+      for (; tile < num_tiles; ++tile) step(tile, Flag<false>{}, full, full);
     } else {
-      for (int tile = 0; tile < num_tiles; ++tile) step(tile, Flag<false>{});
+      for (int tile = 0; tile < num_tiles; ++tile)
+        step(tile, Flag<false>{}, Keys<KEYS_WARP>{}, Keys<KEYS_WARP>{});
     }
     if constexpr (WGMMA) {  // the last tile's product
       if (num_tiles > 0) {
@@ -840,7 +890,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         mbar_wait(&full_v[G % STAGES], (G / STAGES) & 1);
         fence_proxy_async();
         wgmma_fence();
-        issue_pv(v_of(G));
+        issue_pv(v_of(G), Keys<KEYS_WARP>{});
         wgmma_commit();
         wgmma_wait<0>();
         mbar_arrive(&empty_v[G % STAGES]);
