@@ -234,7 +234,8 @@ def _lift(x) -> Expr:
         return Expr("const", (int(x),), "int")
     if isinstance(x, (float, np.floating)):
         if math.isnan(x):
-            raise SpecError("NaN constant in a variant expression")
+            raise SpecError(f"constant {x!r} in a variant expression: expected a number (a NaN "
+                            f"score makes its row's output and lse NaN)")
         if math.isfinite(x) and abs(x) > float(np.finfo(np.float32).max):
             raise SpecError(f"constant {x!r} does not fit in float32 (the kernels' float type)")
         if x != 0 and np.float32(x) == 0:  # (1e-50 became 0: a division by it, inf)

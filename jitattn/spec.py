@@ -72,7 +72,7 @@ class Variant:
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> float``; score is q.k * sm_scale. Returning
         -inf hides the key. A NaN or +inf score (in float32: e.g. log of a negative score, an
         exp that overflows) makes its row's output and lse NaN, as in torch (and a merge of that
-        row's states NaN too).
+        row's states NaN too); a constant that makes it so (score + inf) is refused.
     mask_mod: ``f(b, h, q_idx, kv_idx) -> bool``; False hides the key (ANDed with mask/window).
         Given without ``mask``, it is ANDed with the default causal mask and a UserWarning
         says so (FlexAttention's mask_mod alone is ``mask="none"`` here). A score_mod given
@@ -145,6 +145,8 @@ class Variant:
         object.__setattr__(self, "_mask", mask)
         exprs = [t.expr for t in (score, mask) if t is not None]
         try:  # (trace bounds the depth; this is for a caller already deep in the stack)
+            if score is not None:
+                tracing.refuse_nonfinite(score, self.reduction)
             object.__setattr__(self, "_params", tuple(tracing.params_of(*exprs)))
             object.__setattr__(self, "_key", self._compute_key())
             object.__setattr__(self, "_direct_index", tuple(_direct_indices(*exprs)))

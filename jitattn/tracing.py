@@ -7,6 +7,7 @@ reads.
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import threading
 import traceback
@@ -236,6 +237,62 @@ def _depth_and_size(root: Expr) -> tuple:
     return seen[id(root)]
 
 
+_POS, _NEG, _NAN = "+inf", "-inf", "NaN"
+
+
+def _flip(values: frozenset) -> frozenset:
+    return frozenset({_POS: _NEG, _NEG: _POS}.get(v, v) for v in values)
+
+
+def _nonfinite(e: Expr, memo: dict, constants: set) -> frozenset:
+    """The non-finite values ("+inf", "-inf", "NaN") float expression ``e`` can take through its
+    infinite constants (each added to ``constants`` as Python shows it: "inf", "-inf"), its
+    other leaves (score, symbols, parameters, table reads) taken as finite, and a factor or
+    divisor that is not a constant as positive (a temperature, a scale). So -inf stays -inf
+    through where, +, such factors, min and max; inf - inf and inf * 0 are NaN. Int and bool
+    expressions take none (a comparison with an infinity decides as in torch)."""
+    if id(e) in memo:
+        return memo[id(e)]
+    op, a = e.op, e.args
+    if e.kind != "float" or op in ("sym", "scalar", "index"):
+        out = frozenset()
+    elif op == "const":
+        out = frozenset({_POS if a[0] > 0 else _NEG} if math.isinf(a[0]) else ())
+        if out:
+            constants.add(repr(a[0]))
+    else:
+        x = [_nonfinite(y, memo, constants) if isinstance(y, Expr) else frozenset() for y in a]
+        nan = frozenset({_NAN}) & frozenset().union(*x)
+        if op == "neg":
+            out = _flip(x[0])
+        elif op == "abs":
+            out = frozenset({_POS} if x[0] - nan else ()) | nan
+        elif op in ("+", "-"):
+            y = x[1] if op == "+" else _flip(x[1])
+            opposed = _POS in x[0] and _NEG in y or _NEG in x[0] and _POS in y
+            out = x[0] | y | frozenset({_NAN} if opposed else ())
+        elif op in ("*", "/") and x[0] and x[1]:  # (inf * inf: either sign; inf / inf: NaN)
+            out = x[0] | x[1] | {_POS, _NEG} if op == "*" else x[0] | {_NAN}
+        elif op in ("*", "/") and (x[0] or x[1] and op == "*"):
+            inf, other = (x[0], a[1]) if x[0] else (x[1], a[0])
+            c = float(other.args[0]) if other.op == "const" else 1.0  # (else taken as > 0)
+            out = frozenset({_NAN}) if c == 0 and op == "*" else inf if c >= 0 else _flip(inf)
+        elif op == "where":
+            out = x[1] | x[2]
+        elif op in ("min", "max"):  # (min: +inf only where both are; max: -inf likewise)
+            both, either = (_POS, _NEG) if op == "min" else (_NEG, _POS)
+            out = frozenset({both} if both in x[0] and both in x[1] else ()) | nan | (
+                {either} & (x[0] | x[1]))
+        elif op in ("exp", "log"):  # (exp(-inf) is 0, log(-inf) NaN)
+            out = ({_POS} & x[0]) | nan | ({_NAN} if op == "log" and _NEG in x[0] else set())
+        elif op in ("tanh", "tanh_approx", "sigmoid", "/"):  # ("/": finite / inf is 0)
+            out = nan
+        else:  # (**, float // and %)
+            out = frozenset({_POS, _NEG, _NAN} if any(x) else ())
+    memo[id(e)] = out
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class Traced:
     """A traced mod: its expression, the function's name and where it was defined."""
@@ -314,6 +371,22 @@ def trace(fn, kind: str) -> Traced:
         raise SpecError(f"{label}: a score_mod must return a number, got a bool expression; "
                         "use mask_mod for visibility")
     return Traced(out, getattr(fn, "__name__", "mod"), src)
+
+
+def refuse_nonfinite(score: Traced, reduction: str) -> None:
+    """Raises SpecError where a traced score_mod's infinite constants can make its score NaN,
+    or +inf under a softmax (_nonfinite): the row's output and lse are NaN then (a sigmoid
+    weighs a +inf score 1). -inf hides a key."""
+    constants: set = set()
+    values = _nonfinite(score.expr, {}, constants)
+    made = " or ".join(v for v in (_POS, _NAN) if v in values and (
+        v == _NAN or reduction == "softmax"))
+    if made:
+        raise SpecError(f"score_mod {score.fn_name!r} (defined at {score.source}): its "
+                        f"constant{'s' * (len(constants) > 1)} {' and '.join(sorted(constants))} "
+                        f"can make the score {made}, which makes the row's output and lse NaN; "
+                        f"expected finite constants, and -inf only where it hides a key "
+                        f"(torch.where(cond, score, -inf))")
 
 
 def params_of(*exprs: Expr) -> list:

@@ -513,6 +513,44 @@ def test_torch_forms_that_do_not_trace_say_what_does():
                      sm_scale=torch.tensor(0.125))
 
 
+def test_infinite_constants_that_make_a_score_nan_are_refused():
+    """A +inf constant in a score_mod (score + inf, torch.where(c, score, inf)) was accepted and
+    its rows came out NaN; so were -inf constants made +inf or NaN (a negative factor, * 0,
+    inf - inf). -inf that hides keys (also through a runtime divisor, or negated twice), bounds
+    (clamp(max=inf)), comparisons and a sigmoid's +inf (a weight of 1) stay; a NaN constant
+    names itself and what is expected."""
+    inf, temperature = float("inf"), torch.tensor(0.5)
+    for fn, text in (
+            (lambda s, b, h, q, k: s + inf, r"constant inf can make the score \+inf"),
+            (lambda s, b, h, q, k: torch.where(k <= q, s, inf), r"constant inf can make the "
+                                                                r"score \+inf"),
+            (lambda s, b, h, q, k: torch.where(k <= q, s, -inf) * -2.0, r"constant -inf can "
+                                                                        r"make the score \+inf"),
+            (lambda s, b, h, q, k: torch.where(k <= q, s, -inf) * 0.0, r"constant -inf can "
+                                                                       r"make the score NaN"),
+            (lambda s, b, h, q, k: torch.where(k <= q, s, -inf) + torch.where(k > 2, s, inf),
+             r"constants -inf and inf can make the score \+inf or NaN")):
+        with pytest.raises(SpecError, match=r"score_mod '<lambda>' \(defined at .*test_dsl.py:"
+                                            r"\d+\): its " + text + r", which makes the row's "
+                                            r"output and lse NaN; expected finite constants, "
+                                            r"and -inf only where it hides a key"):
+            ja.Variant("inf", mask="none", score_mod=fn)
+    with pytest.raises(SpecError, match=r"score_mod '<lambda>' .*: constant nan in a variant "
+                                        r"expression: expected a number"):
+        ja.Variant("nan", mask="none", score_mod=lambda s, b, h, q, k: s + float("nan"))
+    ja.Variant("sig", mask="none", reduction="sigmoid", score_mod=lambda s, b, h, q, k: s + inf)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(9, 2, 64, generator=gen).half() for _ in range(3))
+    for fn in (lambda s, b, h, q, k: torch.where(k <= q, s, -inf),
+               lambda s, b, h, q, k: s * 0 - math.inf,
+               lambda s, b, h, q, k: -torch.where(k <= q, -s, inf),
+               lambda s, b, h, q, k: torch.where(k <= q, s, -inf) / temperature,
+               lambda s, b, h, q, k: torch.clamp(s, max=inf) + ja.tanh(s + inf),
+               lambda s, b, h, q, k: torch.where(s < inf, s, 0.0)):
+        out = reference.attention(q, k, v, ja.Variant("kept", mask="none", score_mod=fn))
+        assert not out.isnan().any()
+
+
 def test_a_0d_tensor_reached_otherwise_than_by_closure_is_read_per_call():
     """A 0-d tensor given through functools.partial, an object's attribute, a dict or a default
     argument was refused as 'computed while tracing' (only closures and globals were known);
