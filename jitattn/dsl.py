@@ -27,7 +27,7 @@ import warnings
 import numpy as np
 import torch
 
-from .emit import emit_cpp, int_range
+from .emit import FLOAT32_TINY, emit_cpp, int_range
 
 
 class SpecError(ValueError):
@@ -241,7 +241,12 @@ def _lift(x) -> Expr:
         if x != 0 and np.float32(x) == 0:  # (1e-50 became 0: a division by it, inf)
             raise SpecError(f"constant {x!r} rounds to 0 in float32 (the kernels' float type, "
                             f"whose smallest positive value is about 1.4e-45)")
-        return Expr("const", (float(np.float32(x)),), "float")
+        held = float(np.float32(x))
+        if abs(held) < FLOAT32_TINY and held != x:  # (a subnormal: fewer significant bits)
+            warnings.warn(f"constant {x!r} is below float32's normal range (about 1.2e-38): the "
+                          f"kernels compute with {held!r}, a subnormal with fewer significant "
+                          f"bits", UserWarning, stacklevel=4)
+        return Expr("const", (held,), "float")
     if isinstance(x, torch.Tensor):
         raise SpecError(f"a captured tensor of shape {tuple(x.shape)} is used whole in a variant "
                         f"expression; index it by symbols (t[h], t[b, kv_idx]): a variant "

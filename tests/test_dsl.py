@@ -3,6 +3,7 @@
 import math
 import re
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -549,6 +550,22 @@ def test_infinite_constants_that_make_a_score_nan_are_refused():
                lambda s, b, h, q, k: torch.where(s < inf, s, 0.0)):
         out = reference.attention(q, k, v, ja.Variant("kept", mask="none", score_mod=fn))
         assert not out.isnan().any()
+
+
+def test_subnormal_constants_that_float32_rounds_warn():
+    """A float constant below float32's normal range became a subnormal that float32 rounds
+    (1e-45 is held as 1.4e-45) in silence: it warns, naming the constant and the value the
+    kernels use, at the mod's line; a subnormal float32 holds exactly, and normal constants,
+    do not warn."""
+    with pytest.warns(UserWarning, match=r"constant 1e-45 is below float32's normal range "
+                                         r"\(about 1.2e-38\): the kernels compute with "
+                                         r"1.401298464324817e-45") as caught:
+        trace_score(lambda s, b, h, q, k: s * 1e-45)
+    assert [w.filename for w in caught] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for c in (2.0 ** -140, 1e-30, np.float32(1e-40)):
+            trace_score(lambda s, b, h, q, k: s + c)
 
 
 def test_a_0d_tensor_reached_otherwise_than_by_closure_is_read_per_call():
