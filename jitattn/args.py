@@ -21,6 +21,20 @@ import torch
 from .porting import plan_hints, positional_binding
 
 
+def shown_value(value) -> str:
+    """``repr(value)`` for a message, but for an int of more than 20 digits its first and last
+    digits and how many it has (an error printed every digit of 10**400, and str() refuses an
+    int of more than 4300 digits)."""
+    if not isinstance(value, int) or isinstance(value, bool) or -10**20 < value < 10**20:
+        return repr(value)
+    a, digits = abs(value), int(abs(value).bit_length() * math.log10(2))
+    while a >= 10 ** digits:  # (the estimate, within one of the count, made exact)
+        digits += 1
+    while a < 10 ** (digits - 1):
+        digits -= 1
+    return f"{'-' * (value < 0)}{a // 10 ** (digits - 6)}...{a % 10 ** 6:06d} ({digits} digits)"
+
+
 def int_arg(name: str, value, minimum: int = 1, maximum: int | None = None) -> int:
     """``value`` as a Python int: a Python or numpy int (not a bool, not a float that happens to
     be whole) in minimum .. maximum. Raises TypeError / ValueError naming ``name``."""
@@ -32,7 +46,7 @@ def int_arg(name: str, value, minimum: int = 1, maximum: int | None = None) -> i
     except TypeError:
         raise TypeError(f"{name}={value!r}: expected {expected}") from None
     if n < minimum or (maximum is not None and n > maximum):
-        raise ValueError(f"{name}={value!r}: expected {expected}")
+        raise ValueError(f"{name}={shown_value(value)}: expected {expected}")
     return n
 
 
@@ -101,7 +115,8 @@ def kv_scales(k_scale, v_scale, sm_scale: float) -> tuple[float, float]:
         if not fine:
             hint = " (read a tensor scale once with .item(): a tensor here would " \
                 "cost a device sync per call)" if isinstance(value, torch.Tensor) else ""
-            raise ValueError(f"{name}={value!r}: expected a finite Python float > 0{hint}")
+            raise ValueError(f"{name}={shown_value(value)}: expected a finite Python float > "
+                             f"0{hint}")
     k_scale, v_scale = float(k_scale), float(v_scale)
     scale = sm_scale * k_scale
     if not positive_f32(scale):

@@ -11,7 +11,7 @@ import torch
 
 from . import dtypes
 from . import masks as masks_mod
-from .args import int_arg, over_capacity
+from .args import int_arg, over_capacity, shown_value
 from .plan import check_seq_lens
 from .render import HEAD_DIMS
 
@@ -104,7 +104,7 @@ def check_batch(qo, kv_indptr, kv_indices, kv_last_page_len, *, decode: bool, kv
         raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
                          f"num_kv_heads ({num_kv_heads})")
     if int_arg("head_dim", head_dim) not in HEAD_DIMS:
-        raise ValueError(f"head_dim={head_dim!r}: expected one of {HEAD_DIMS}")
+        raise ValueError(f"head_dim={shown_value(head_dim)}: expected one of {HEAD_DIMS}")
     if q_dtype not in dtypes.QKV_DTYPES:
         raise TypeError(f"q_dtype={q_dtype!r}: expected one of {dtypes.QKV_DTYPES}")
     kv_dtype = q_dtype if kv_dtype is None else kv_dtype

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import dtypes, jit, load, render
-from .args import positive_f32
+from .args import positive_f32, shown_value
 from .params import ScalarParam
 
 
@@ -35,8 +35,8 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     if not fine:
         hint = " (a tensor: pass sm_scale=t.item(), a Python float)" \
             if isinstance(sm_scale, torch.Tensor) else ""
-        raise ValueError(f"sm_scale={sm_scale!r}: expected a finite number > 0 (as float32)"
-                         f"{hint}")
+        raise ValueError(f"sm_scale={shown_value(sm_scale)}: expected a finite number > 0 (as "
+                         f"float32){hint}")
     return float(sm_scale)
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import dsl, tracing
-from .args import int_arg
+from .args import int_arg, shown_value
 from .dsl import SpecError
 from .params import ScalarParam, TensorParam
 from .emit import FLOAT32_MAX
@@ -134,8 +134,8 @@ class Variant:
             try:  # (the kernels compare positions in int32)
                 w = int_arg("window_left", w, minimum=-1, maximum=2**31 - 1)
             except (TypeError, ValueError):
-                raise SpecError(f"Variant window_left={w!r}: expected None, -1 or an int in "
-                                f"0 .. 2**31 - 1") from None
+                raise SpecError(f"Variant window_left={shown_value(w)}: expected None, -1 or an "
+                                f"int in 0 .. 2**31 - 1") from None
         object.__setattr__(self, "window_left", None if w == -1 else w)
         if self.pos_encoding is not None and not isinstance(self.pos_encoding, RoPE):
             raise SpecError(f"Variant pos_encoding={self.pos_encoding!r}: expected ja.RoPE(...)")
@@ -262,8 +262,9 @@ class Variant:
                 except OverflowError:
                     finite = False
                 if not finite:
-                    raise ValueError(f"parameter {p.name!r} is {params[p.name]!r}; expected a "
-                                     f"finite number that float32 holds (|x| <= 3.4e38)")
+                    raise ValueError(f"parameter {p.name!r} is {shown_value(params[p.name])}; "
+                                     f"expected a finite number that float32 holds (|x| <= "
+                                     f"3.4e38)")
                 bound[p.name] = val
                 continue
             t = params[p.name] if p.captured is None else _CAPTURED.get().get(p.name, p.captured)

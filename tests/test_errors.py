@@ -142,6 +142,26 @@ def test_bad_sm_scale(sm_scale):
                sm_scale=sm_scale)
 
 
+def test_huge_int_arguments_are_shown_by_their_ends_and_digit_count():
+    """Counts, head_dim, sm_scale and k_scale given a huge int printed every digit (401 for
+    10**400); beyond 4300 digits str() refused it, and the error said so instead of naming the
+    argument."""
+    i32 = dict(dtype=torch.int32)
+    args = (torch.tensor([0, 2, 4], **i32), torch.arange(4, **i32), torch.tensor([5, 16], **i32))
+    shown = r"100000\.\.\.000000 \(5001 digits\)"
+    with pytest.raises(ValueError, match=rf"^max_batch_size=-{shown}: expected an int >= 1$"):
+        ja.BatchDecode(V, device="cpu", max_batch_size=-(10**5000))
+    w = ja.BatchDecode(V, device="cpu")
+    with pytest.raises(ValueError, match=rf"^head_dim={shown}: expected one of"):
+        w.plan(*args, 8, 2, 10**5000)
+    w.plan(*args, 8, 2, 64)
+    cache = tuple(torch.randn(4, 16, 2, 64).half() for _ in range(2))
+    with pytest.raises(ValueError, match=rf"^k_scale={shown}: expected a finite Python float"):
+        w.run(torch.randn(2, 8, 64).half(), cache, k_scale=10**5000)
+    with pytest.raises(ValueError, match=rf"^sm_scale={shown}: expected a finite number > 0"):
+        ja.attention(*qkv(), V, sm_scale=10**5000)
+
+
 def test_hints_for_ported_code():
     """Mistakes of code ported from SDPA / FlexAttention get a hint at the fix."""
     q, k, v = qkv()

@@ -166,6 +166,22 @@ def test_scalars_float32_cannot_hold_and_empty_tensors_are_rejected():
         c.bind({}, device=torch.device("cpu"), sizes={**SIZES, "kv_len": 0})
 
 
+def test_huge_ints_are_shown_by_their_ends_and_digit_count():
+    """A scalar parameter or window_left given a huge int printed every digit of it (401 for
+    10**400); beyond 4300 digits str() refused it, and the error said so instead of naming the
+    argument."""
+    cap = ja.scalar("cap")
+    v = ja.Variant("cap", mask="causal", score_mod=lambda s, b, h, q, k: cap * ja.tanh(s / cap))
+    for big, digits in ((10**400, 401), (-(10**5000) - 7, 5001)):
+        shown = rf"{'-' * (big < 0)}100000\.\.\.00000{7 if big < 0 else 0} \({digits} digits\)"
+        with pytest.raises(ValueError, match=rf"^parameter 'cap' is {shown}; expected a finite "
+                                             rf"number that float32 holds \(\|x\| <= 3.4e38\)$"):
+            v.bind({"cap": big}, device=torch.device("cpu"), sizes=SIZES)
+        with pytest.raises(SpecError, match=rf"^Variant window_left={shown}: expected None, -1 "
+                                            rf"or an int in 0 .. 2\*\*31 - 1$"):
+            ja.Variant("w", window_left=big)
+
+
 def test_param_names_reserved_for_attention_keywords():
     """attention()'s and the wrappers' run() keywords cannot be parameter names (k_scale was
     taken as the fp8 scale, kv_cache / self clashed with run()'s arguments); a name or a
