@@ -51,6 +51,11 @@ REDUCTIONS = ("softmax", "sigmoid")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # (fullmatch: "$" takes a final newline)
 
 
+class _DerivedName(str):
+    """A Variant's name made from its mods' function names, not given: a Variant made from it
+    by dataclasses.replace (which passes the name on) derives its own again."""
+
+
 # a function given positionally (Variant(f), Variant("name", f)): where the mods go
 _MOD_HINT = (" (the positional arguments are name, then mask: pass a function as score_mod= "
              "or mask_mod=)")
@@ -61,7 +66,8 @@ class Variant:
     """An attention variant: what the attention computes (dtypes and shapes come at call time).
 
     name: identifier used in kernel and cache names ([A-Za-z0-9][A-Za-z0-9_.-]*); by default
-        the mods' function names joined by "_" (a lambda's is not one), else "variant". The
+        the mods' function names joined by "_" (a lambda's is not one), else "variant", and
+        derived again for a Variant made from it by dataclasses.replace (or given it). The
         kernels of two variants never mix: their cache keys hash what they compute.
     mask: ``"none"``; ``"causal"`` (the default; bottom-right aligned: query i of a request sees
         keys j <= kv_len - qo_len + i); ``"custom"`` (an explicit boolean mask per request, given to
@@ -100,11 +106,13 @@ class Variant:
     _direct_index: tuple = field(init=False, repr=False, default=())
 
     def __post_init__(self):
-        if self.name is None:  # (FlexAttention has no name to give)
+        # None: from the mods (FlexAttention has no name to give); a derived name that
+        # dataclasses.replace passed on: from this Variant's mods again
+        if self.name is None or isinstance(self.name, _DerivedName):
             named = [getattr(fn, "__name__", "") for fn in (self.score_mod, self.mask_mod)]
-            object.__setattr__(self, "name", "_".join(
+            object.__setattr__(self, "name", _DerivedName("_".join(
                 n for n in named if isinstance(n, str) and _NAME.fullmatch(n))[:64] or
-                "variant")
+                "variant"))
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise SpecError(f"Variant name={self.name!r}: expected [A-Za-z0-9][A-Za-z0-9_.-]*, "
                             f"at most 64 characters" + _MOD_HINT * callable(self.name))

@@ -1,5 +1,7 @@
 """Variant validation, keys and parameter binding."""
 
+import copy
+import dataclasses
 import re
 import warnings
 
@@ -240,3 +242,28 @@ def test_a_variant_needs_no_name():
         "softcap_document"
     assert ja.Variant(mask="causal", score_mod=ja.soft_cap(30.0)).key != ja.Variant(
         mask="causal", score_mod=ja.soft_cap(20.0)).key
+
+
+def test_a_variant_made_by_replace_derives_its_name_again():
+    """dataclasses.replace passes the name on: a Variant replaced from one whose name was
+    derived kept the old mods' name ("softcap" for an ALiBi score_mod). A derived name follows
+    the new mods, a given one stays, and the keys of different variants differ."""
+    def alibi(s, b, h, q_idx, kv_idx):
+        return s + 0.5 * (kv_idx - q_idx)
+
+    def document(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    v = ja.Variant(mask="none", score_mod=ja.soft_cap(30.0))
+    replaced = dataclasses.replace(v, score_mod=alibi)
+    assert (v.name, replaced.name) == ("softcap", "alibi")
+    assert replaced.key.startswith("alibi-none-") and replaced.key != v.key
+    assert dataclasses.replace(v, mask_mod=document).name == "softcap_document"
+    assert dataclasses.replace(v, score_mod=None).name == "variant"
+    assert dataclasses.replace(copy.copy(v), score_mod=alibi).name == "alibi"
+    same = dataclasses.replace(v, mask="causal")  # (the mask is in the key, not the name)
+    assert same.name == "softcap" and same.key != v.key
+    assert dataclasses.replace(v, name="mine", score_mod=alibi).name == "mine"
+    given = ja.Variant("mine", mask="none", score_mod=ja.soft_cap(30.0))
+    assert dataclasses.replace(given, score_mod=alibi).name == "mine"
+    keys = {x.key for x in (v, replaced, given, dataclasses.replace(given, score_mod=alibi))}
+    assert len(keys) == 4
