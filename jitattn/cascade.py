@@ -60,6 +60,11 @@ class MultiLevelCascade:
     def __init__(self, variant: Variant, num_levels: int, page_size: int = 16,
                  kv_layout: str = "NHD", *, device=None, **capacities):
         self._refuse_unknown(capacities)
+        self._build_levels(variant, num_levels, page_size, kv_layout, device, capacities)
+
+    def _build_levels(self, variant: Variant, num_levels: int, page_size: int, kv_layout: str,
+                      device, capacities: dict) -> None:
+        """__init__ after its keyword check (CascadeDecode's __init__ makes its own)."""
         if not isinstance(variant, Variant):
             raise not_a_variant(variant, type(self).__name__)
         num_levels = int_arg("num_levels", num_levels)
@@ -306,7 +311,7 @@ class CascadeDecode(MultiLevelCascade):
                              "or 'HND'); for ragged keys use MultiLevelCascade(variant, 2, "
                              "kv_layout='ragged'), whose plan() takes None per level for "
                              "kv_indices and kv_last_page_len")
-        super().__init__(variant, 2, page_size, kv_layout, device=device, **capacities)
+        self._build_levels(variant, 2, page_size, kv_layout, device, capacities)
         # the unique level has one query per request: the decode kernel
         self.levels[1] = BatchDecode(variant, page_size=page_size, kv_layout=kv_layout,
                                      device=device, **capacities)

@@ -520,6 +520,24 @@ def test_cascade_decode_refuses_a_ragged_layout_it_cannot_plan():
         ja.CascadeDecode(ja.Variant("c", mask="causal"), kv_layout="ragged", device="cpu")
 
 
+def test_each_cascade_checks_its_constructor_keywords_once(monkeypatch):
+    """CascadeDecode checked its keywords, then MultiLevelCascade.__init__ checked them again;
+    each constructor now checks once, with the same messages."""
+    from jitattn.cascade import MultiLevelCascade
+    calls, check = [], MultiLevelCascade._refuse_unknown
+
+    def counted(self, capacities):
+        calls.append(type(self).__name__)
+        check(self, capacities)
+    monkeypatch.setattr(MultiLevelCascade, "_refuse_unknown", counted)
+    ja.CascadeDecode(ja.Variant("c"), device="cpu", max_batch_size=4)
+    ja.MultiLevelCascade(ja.Variant("c"), 2, device="cpu", max_batch_size=4)
+    assert calls == ["CascadeDecode", "MultiLevelCascade"]
+    with pytest.raises(TypeError, match=r"CascadeDecode\(\) got unexpected keyword arguments "
+                                        r"\['num_levels'\]"):
+        ja.CascadeDecode(ja.Variant("c"), device="cpu", num_levels=2)
+
+
 def test_causal_shared_levels_need_their_queries_after_the_shared_keys():
     """A causal variant's shared levels attend without a mask: a request whose queries would
     come before some shared key (fewer than qo_len - 1 keys of its own: query 0 of 3 over one
