@@ -32,6 +32,7 @@ from .batch_inputs import check_batch
 from .emit import MAX_SEQ_LEN
 from .merge import merge_states_into
 from .porting import unexpected_keywords
+from .run_inputs import swapped_hint
 from .shared_prefix import layout_features
 from .spec import Variant
 
@@ -469,5 +470,6 @@ class CascadeDecode(MultiLevelCascade):
         # (the levels accept rows beyond the plan's)
         if self.chosen is not None and isinstance(q, torch.Tensor) and \
                 (q.dim() != 3 or q.shape[0] != self._q_shape[0]):
-            raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects {self._q_shape}")
+            raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects {self._q_shape}"
+                             + swapped_hint("q", q.shape, self._q_shape))
         return super().run(q, kv_cache, return_lse=return_lse, **params)  # (rejects them too)

@@ -48,6 +48,16 @@ def q_strides_error(name: str, t: torch.Tensor) -> ValueError:
                       f"of 8 elements and a 16-byte aligned pointer (call .contiguous())")
 
 
+def swapped_hint(name: str, shape, expected: tuple) -> str:
+    """A hint for a tensor ``name`` of ``shape`` that is the plan's ``expected`` [tokens, heads,
+    head_dim] with its first two dimensions swapped ([heads, tokens, head_dim], SDPA's and
+    FlexAttention's layout without the batch), else ''."""
+    if tuple(shape) != (expected[1], expected[0], expected[2]):
+        return ""
+    return (f" ({name} looks like [heads, tokens, head_dim]; run() takes [tokens, heads, "
+            f"head_dim]: {name}.transpose(0, 1))")
+
+
 class RunInputs:
     """What run() accepts after one plan(): q [total_q, num_qo_heads, head_dim] of q_dtype and
     K/V caches whose pages (NHD [page_size, Hkv, D], HND [Hkv, page_size, D]) or ragged rows
@@ -117,7 +127,8 @@ class RunInputs:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if tuple(q.shape) != self.q_shape:
-            raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects {self.q_shape}")
+            raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects {self.q_shape}"
+                             + swapped_hint("q", q.shape, self.q_shape))
         if q.dtype != self.q_dtype:
             raise TypeError(f"q has dtype {q.dtype}; the plan was made for {self.q_dtype} "
                             f"(plan(..., q_dtype=) sets it)")

@@ -49,7 +49,7 @@ from .merge import merge_state_in_place
 from .plan import check_seq_lens
 from .prefix import multi_item_metadata
 from .render import QUERY_TILES, tiles_for
-from .run_inputs import kv_strides_fit, q_strides_error, q_strides_fit
+from .run_inputs import kv_strides_fit, q_strides_error, q_strides_fit, swapped_hint
 from .spec import Variant
 
 STRATEGIES = ("naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
@@ -394,7 +394,8 @@ class SharedPrefixPrefill:
                     raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
                 if t.shape != shape:
                     raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan expects "
-                                     f"{tuple(shape)} ({total} rows: P + sum(S_i))")
+                                     f"{tuple(shape)} ({total} rows: P + sum(S_i))"
+                                     + swapped_hint(name, t.shape, shape))
                 if t.dtype != dtype:
                     raise TypeError(f"{name} has dtype {t.dtype}; the plan was made for {dtype} "
                                     f"(plan(..., q_dtype=) sets it)")

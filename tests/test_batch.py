@@ -133,6 +133,36 @@ def _simple():
     return kv_cache, kv_indptr, kv_indices, last
 
 
+def test_run_hints_at_q_given_heads_first():
+    """q given [heads, tokens, head_dim] (SDPA's layout without the batch) was refused with the
+    two shapes alone; where it is the plan's [tokens, heads, head_dim] with the first two
+    dimensions swapped, the wrappers' errors say so, and only there."""
+    kv_cache, kv_indptr, kv_indices, last = _simple()
+    i32 = dict(dtype=torch.int32)
+    hint = r" \(q looks like \[heads, tokens, head_dim\]; run\(\) takes \[tokens, heads, " \
+        r"head_dim\]: q.transpose\(0, 1\)\)"
+    prefill = ja.BatchPrefill(ja.Variant("c"), page_size=16, device="cpu")
+    prefill.plan(torch.tensor([0, 3, 6], **i32), kv_indptr, kv_indices, last, 4, 2, 64)
+    decode = ja.BatchDecode(ja.Variant("c"), page_size=16, device="cpu")
+    decode.plan(kv_indptr, kv_indices, last, 4, 2, 64)
+    cascade = ja.CascadeDecode(ja.Variant("c"), page_size=16, strategy="cascade", device="cpu")
+    cascade.plan(torch.tensor([], **i32), 16, kv_indptr, kv_indices, last, 4, 2, 64)
+    for w, tokens in ((prefill, 6), (decode, 2), (cascade, 2)):
+        q = torch.randn(tokens, 4, 64, dtype=torch.float16)
+        with pytest.raises(ValueError, match=rf"^q has shape \(4, {tokens}, 64\); the plan "
+                                             rf"expects \({tokens}, 4, 64\){hint}$"):
+            w.run(q.transpose(0, 1).contiguous(), kv_cache)
+        with pytest.raises(ValueError, match=r"the plan expects \(\d, 4, 64\)$"):  # (no hint)
+            w.run(q[:1], kv_cache)
+    sp = ja.SharedPrefixPrefill(ja.Variant("c"), "naive", device="cpu")
+    sp.plan(4, [3], 4, 2, 64)
+    q, k = torch.randn(7, 4, 64).half(), torch.randn(7, 2, 64).half()
+    with pytest.raises(ValueError, match=r"^k has shape \(2, 7, 64\); the plan expects \(7, 2, "
+                                         r"64\) \(7 rows: P \+ sum\(S_i\)\)" +
+                                         hint.replace("q", "k") + "$"):
+        sp.run(q, k.transpose(0, 1), k)
+
+
 @pytest.mark.parametrize("mutate, exc, match", [
     (lambda a: {**a, "kv_indptr": torch.tensor([0, 2, 1], dtype=torch.int32)}, ValueError,
      "non-decreasing"),
