@@ -69,6 +69,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // WGMMA and KV_LINEAR: a range's last tile first (see last_keys below); for ALiBi the row
   // maximum then comes with the first tile and no later tile raises it (no rescaling of O)
   constexpr bool LAST_FIRST = WGMMA && Variant::KV_LINEAR;
+  static_assert(!LAST_FIRST || BLOCK_N <= 192, "LAST_FIRST narrows to 64 / 128 of 128 / 192 keys");
   const float score_scale = FOLD_SCALE ? 1.f : SCALED ? a.sm_scale * Variant::INNER_SCALE
                                                       : a.sm_scale;
   const float exp_scale = FOLD_SCALE ? a.sm_scale * LOG2E
@@ -193,8 +194,12 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     [[maybe_unused]] const int last_keys =
         LAST_FIRST && num_tiles > 0
             ? (range.y - range.x - (num_tiles - 1) * BLOCK_N + 63) / 64 * 64 : BLOCK_N;
-    auto tile_t0 = [&](int i) {  // the first key of the item's i-th tile in the loop's order
-      return range.x + (LAST_FIRST ? (i == 0 ? num_tiles - 1 : i - 1) : i) * BLOCK_N;
+    // the first key of the item's i-th tile in the loop's order, and of its i-th for i > 0
+    auto tile_t0_after_first = [&](int i) {
+      return range.x + (LAST_FIRST ? i - 1 : i) * BLOCK_N;
+    };
+    auto tile_t0 = [&](int i) {
+      return LAST_FIRST && i == 0 ? range.x + (num_tiles - 1) * BLOCK_N : tile_t0_after_first(i);
     };
     const int pos_first = req.kv_len - req.q_len + w.row0 / g;
     const int pos_last = req.kv_len - req.q_len + row_last / g;
@@ -311,7 +316,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         // ragged, a whole tile of the range: TMA, one box of BLOCK_N rows per 64-column panel,
         // issued by one thread; the other 127 only arrive. (The last, partial tile of a range
         // is copied below, zero-filled past it, so that no row of another request, which may
-        // hold anything, enters a product.)
+        // hold anything, enters a product: LAST_FIRST's full-width P V of a range's only tile
+        // relies on those zeros too.)
         unsigned long long* full = wg == 0 ? &full_k[stage] : &full_v[stage];
         if (threadIdx.x % 128 == 0) {
           mbar_arrive_expect_tx(full, PANELS * BLOCK_N * 128);
@@ -852,8 +858,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         // K of tile + STAGES into tile's slot, V of tile + STAGES - 1 into the slot of
         // tile - 1, once both warpgroups are done with it (load_ws waits for its empty barrier)
         const int next = tile + (wg == 0 ? STAGES : STAGES - 1);
-        if (next < num_tiles)  // (next > 0)
-          load_ws(next, range.x + (LAST_FIRST ? next - 1 : next) * BLOCK_N);
+        if (next < num_tiles) load_ws(next, tile_t0_after_first(next));  // (next >= 1)
       } else {
         tile_barrier();  // this stage is consumed before tile + STAGES is loaded into it
       }
