@@ -145,6 +145,15 @@ def reject_run_kwargs(wrapper, params: dict) -> None:
                                  f"{_NOT_RUN_KWARGS[name]}")
 
 
+def missing_cache(owner: str, params: dict) -> TypeError:
+    """The TypeError for ``owner``.run() given no kv_cache; FlashInfer's run(q,
+    paged_kv_cache=...) (its keyword in ``params``) is named."""
+    hint = " (FlashInfer's paged_kv_cache= is this second argument)" \
+        if "paged_kv_cache" in params else ""
+    return TypeError(f"{owner}.run() needs kv_cache, its second argument: run(q, (k_cache, "
+                     f"v_cache)) or run(q, kv_cache) with one [num_pages, 2, ...] tensor{hint}")
+
+
 def extra_run_args(owner: str, extra: tuple) -> TypeError:
     """The TypeError for ``owner``.run() given positional arguments after the cache
     (``extra``): FlashInfer's ragged run(q, k, v), or return_lse given positionally."""

@@ -22,8 +22,8 @@ import torch
 
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
-from .args import bool_arg, extra_run_args, int_arg, kv_scales, not_a_variant, planner, \
-    reject_run_kwargs, resolve_device, warn_no_grad
+from .args import bool_arg, extra_run_args, int_arg, kv_scales, missing_cache, not_a_variant, \
+    planner, reject_run_kwargs, resolve_device, warn_no_grad
 from .batch_inputs import check_batch
 from .plan import Plan, make_plan
 from .porting import unexpected_keywords
@@ -280,7 +280,7 @@ class BatchPrefill:
         return kernel.rows_per_cta, sms * kernel.resident_ctas_per_sm(), kernel.kv_tile
 
     # -- run --------------------------------------------------------------------------------------
-    def run(self, q: torch.Tensor, kv_cache, *extra, return_lse: bool = False,
+    def run(self, q: torch.Tensor, kv_cache=None, *extra, return_lse: bool = False,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
             k_scale: float = 1.0, v_scale: float = 1.0, **params):
         """Attention for the planned batch.
@@ -300,6 +300,8 @@ class BatchPrefill:
         """
         if extra:  # (FlashInfer's ragged run(q, k, v), or return_lse given positionally)
             raise extra_run_args(self.run_owner or type(self).__name__, extra)
+        if kv_cache is None:  # (a default only for this message: FlashInfer's keyword's hint)
+            raise missing_cache(self.run_owner or type(self).__name__, params)
         if return_lse.__class__ is not bool:
             return_lse = bool_arg("return_lse", return_lse)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced

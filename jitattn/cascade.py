@@ -25,8 +25,8 @@ import torch
 
 from . import masks as masks_mod
 from . import launch, ops
-from .args import bool_arg, extra_run_args, int_arg, not_a_variant, over_capacity, planner, \
-    reject_run_kwargs, resolve_device, warn_no_grad
+from .args import bool_arg, extra_run_args, int_arg, missing_cache, not_a_variant, \
+    over_capacity, planner, reject_run_kwargs, resolve_device, warn_no_grad
 from .batch import CAPACITY_NAMES, BatchDecode, BatchPrefill, _cache_tensors, page_size_arg
 from .batch_inputs import check_batch
 from .emit import MAX_SEQ_LEN
@@ -187,7 +187,7 @@ class MultiLevelCascade:
         self._rows = rows
         self._min_rows = _rows_end(rows)
 
-    def run(self, q: torch.Tensor, kv_cache, *extra, return_lse: bool = False,
+    def run(self, q: torch.Tensor, kv_cache=None, *extra, return_lse: bool = False,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, **params):
         """Attention of q [total_q, heads, head_dim] over all levels, merged. Rows that no
         level covers get out 0, lse -inf. Each level writes its state into one slab of a
@@ -198,6 +198,8 @@ class MultiLevelCascade:
         parameters; k_scale / v_scale are refused (ValueError)."""
         if extra:
             raise extra_run_args(type(self).__name__, extra)
+        if kv_cache is None and self._rows is not None:  # (a default only for this message)
+            raise missing_cache(type(self).__name__, params)
         reject_run_kwargs(self, params)
         return_lse = bool_arg("return_lse", return_lse)
         if torch.compiler.is_compiling():  # one opaque op on this wrapper: no host work traced
@@ -455,13 +457,15 @@ class CascadeDecode(MultiLevelCascade):
                         full_last, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
                         sm_scale=sm_scale)
 
-    def run(self, q: torch.Tensor, kv_cache, *extra, return_lse: bool = False, **params):
+    def run(self, q: torch.Tensor, kv_cache=None, *extra, return_lse: bool = False, **params):
         """Attention of q [batch, heads, head_dim] over the shared prefix and each request's
         own pages (see MultiLevelCascade.run). After a plan() that chose "plain", ``run`` is
         plain's BatchDecode.run itself (same arguments; k_scale / v_scale other than 1
         refused as here)."""
         if extra:
             raise extra_run_args(type(self).__name__, extra)
+        if kv_cache is None:
+            raise missing_cache(type(self).__name__, params)
         if self.chosen == "plain":  # a reference kept from a cascade plan
             return self.plain.run(q, kv_cache, return_lse=return_lse, **params)
         # (here: the caller's line is one frame up; the levels' run() then warns no more)

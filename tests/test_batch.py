@@ -101,6 +101,11 @@ def test_a_plan_that_raises_leaves_no_plan():
             plan(torch.tensor([0, 2], **i32), torch.tensor([0, 1], **i32),
                  torch.tensor([3], **i32), 8, 2, 64)
             torch.testing.assert_close(wrapper.run(q, cache), want, rtol=0, atol=0)
+        # FlashInfer's run(q, paged_kv_cache=): this wrapper's name and where the cache goes
+        # (BatchDecode's said "BatchPrefill.run() missing 1 required positional argument")
+        with pytest.raises(TypeError, match=type(wrapper).__name__ + r"\.run\(\) needs "
+                                            r"kv_cache, .*paged_kv_cache= is this second"):
+            wrapper.run(q, paged_kv_cache=cache)
 
 
 def test_one_cache_tensor_and_replanning():

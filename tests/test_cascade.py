@@ -323,6 +323,13 @@ def test_cascade_decode_errors_name_it_whichever_strategy_runs():
             cd.run(buf[:2], (k, v), True)
         with pytest.raises(TypeError, match=r"return_lse as a keyword: .*return_lse=True\)"):
             cd.run(buf[:2], (k, v), 1)
+        # FlashInfer's run(q, paged_kv_cache=): named, with this wrapper's name (the plain
+        # strategy's run is BatchDecode's: it said BatchPrefill.run() missing an argument)
+        with pytest.raises(TypeError, match=r"CascadeDecode\.run\(\) needs kv_cache, its "
+                                            r"second argument: .*paged_kv_cache= is this"):
+            cd.run(buf[:2], paged_kv_cache=(k, v))
+        with pytest.raises(TypeError, match=r"CascadeDecode\.run\(\) needs kv_cache"):
+            cd.run(buf[:2])
         with pytest.raises(ValueError, match="out shares memory with q"):
             cd.run(buf[:2], (k, v), out=buf[1:3])
         with pytest.raises(TypeError, match="out must be a torch.Tensor, got list"):
