@@ -109,6 +109,26 @@ def _host_indptr(name: str, indptr, total: int, rows_of: str) -> list[int]:
     return host
 
 
+# keywords of FlexAttention's and SDPA's calls that make a Variant here (attention()'s hint)
+_VARIANT_KEYWORDS = {"score_mod", "mask_mod", "block_mask", "causal", "is_causal"}
+
+
+def _variant_hint(params: dict) -> str:
+    """The TypeError message of attention() given no Variant but FlexAttention's score_mod= /
+    mask_mod= / block_mask=, or SDPA's is_causal= (FlashInfer's causal=): the Variant to make."""
+    given = sorted(params.keys() & _VARIANT_KEYWORDS)
+    fields = [f"{name}=f" for name in ("score_mod", "mask_mod") if name in params]
+    if "block_mask" in params and "mask_mod" not in params:
+        fields.append("mask_mod=f (the block mask's mask_mod)")
+    causal = [params[name] for name in ("causal", "is_causal") if name in params]
+    if fields:
+        fields.append("mask='none'" if not any(causal) else "mask='causal'")
+    else:
+        fields.append("mask='causal'" if any(causal) else "mask='none'")
+    return (f"attention() takes a Variant, not {'= / '.join(given)}=: attention(q, k, v, "
+            f"jitattn.Variant({', '.join(fields)}))")
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               variant: Variant | None = None, *, qo_indptr: torch.Tensor | None = None,
               kv_indptr: torch.Tensor | None = None,
@@ -145,11 +165,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     head-group fusion (FlashInfer, arXiv 2501.01005, section 3.2).
     """
     if not isinstance(variant, Variant):
-        mods = sorted({"score_mod", "mask_mod", "block_mask"} & set(params))
-        if variant is None and mods:  # (FlexAttention's call)
-            raise TypeError(f"attention() takes a Variant, not {'= / '.join(mods)}=: "
-                            f"attention(q, k, v, jitattn.Variant(score_mod=f, mask='none')) "
-                            f"(or mask_mod=f)")
+        if variant is None and params.keys() & _VARIANT_KEYWORDS:  # (FlexAttention's, SDPA's)
+            raise TypeError(_variant_hint(params))
         raise not_a_variant(variant)
     return_lse = bool_arg("return_lse", return_lse)
     if torch.compiler.is_compiling():  # one opaque custom op: no host reads, no graph break

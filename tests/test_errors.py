@@ -359,6 +359,17 @@ def test_a_function_where_a_variant_goes_gets_a_hint():
         ja.attention(q, k, k, score_mod=softcap)
     with pytest.raises(TypeError, match="variant must be a jitattn.Variant, got function"):
         ja.BatchPrefill(softcap, device="cpu")
+    # a mask function's hint leads with mask_mod=; SDPA's is_causal / FlashInfer's causal
+    # without a Variant say which mask (the Variant's)
+    for kw, want in ((dict(mask_mod=softcap), r"not mask_mod=: .*Variant\(mask_mod=f, "
+                                              r"mask='none'\)"),
+                     (dict(causal=True), r"not causal=: .*Variant\(mask='causal'\)"),
+                     (dict(is_causal=False), r"not is_causal=: .*Variant\(mask='none'\)"),
+                     (dict(score_mod=softcap, is_causal=True),
+                      r"not is_causal= / score_mod=: .*Variant\(score_mod=f, "
+                      r"mask='causal'\)")):
+        with pytest.raises(TypeError, match=r"attention\(\) takes a Variant, " + want):
+            ja.attention(q, k, k, **kw)
     for args in ((softcap,), ("softcap", softcap)):
         with pytest.raises(ja.SpecError, match=r"the positional arguments are name, then mask: "
                                                r"pass a function as score_mod= or mask_mod="):
