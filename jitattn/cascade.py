@@ -464,7 +464,7 @@ class CascadeDecode(MultiLevelCascade):
         refused as here)."""
         if extra:
             raise extra_run_args(type(self).__name__, extra)
-        if kv_cache is None:
+        if kv_cache is None and self.chosen is not None:  # (unplanned: as MultiLevelCascade)
             raise missing_cache(type(self).__name__, params)
         if self.chosen == "plain":  # a reference kept from a cascade plan
             return self.plain.run(q, kv_cache, return_lse=return_lse, **params)
