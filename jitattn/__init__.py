@@ -20,7 +20,8 @@ from .batch import BatchDecode, BatchPrefill
 from .merge import merge_state, merge_state_in_place, merge_states
 from .prefix import PrefixGroup, PrefixTrie, find_shared_prefixes, multi_item_metadata
 from .shared_prefix import SharedPrefixPrefill
-from .cascade import CascadeDecode, MultiLevelCascade
+from .cascade import MultiLevelCascade
+from .cascade_decode import CascadeDecode
 from . import catalog  # the ready-made variants: catalog.builtin()[name].make()
 
 __all__ = [
