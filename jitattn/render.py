@@ -72,9 +72,10 @@ def tiles_for(kind: str, head_dim: int, *, arch: str | None = None, kv_fp8: bool
     wgmma: 2 warpgroups x 64 rows over 192-key tiles (a tile's fixed costs, its barriers,
     waits and row reductions, spread over 1.5x the keys; two slots each for K and V at head_dim
     128, where three would exceed the 227 KB of shared memory a CTA may have, three at 64), or
-    over 128-key tiles with three slots each for ``narrow`` variants: a score_mod, mask_mod,
-    custom or multi-item mask or the sigmoid reduction (their per-score code needs the
-    registers that 64 more keys take, and ptxas spills), or a sliding window (more of its
+    over 128-key tiles with three slots each for ``narrow`` variants: a score_mod (but one of
+    ALiBi's one-FMA form), mask_mod, custom or multi-item mask or the sigmoid reduction (their
+    per-score code needs the registers that 64 more keys take, and ptxas spills), or a sliding
+    window (more of its
     tiles are partly masked: 2.5% slower at window 1024 on 192); at head_dim 256 over 64-key
     tiles with two slots each (O already holds 128 floats per thread). Measured on the H200
     (docs/performance.md, session 11)."""
@@ -113,11 +114,21 @@ def tiles_for_variant(variant: Variant, kind: str, head_dim: int, *, arch: str |
                       kv_tag: str | None = None) -> Tiles:
     """The tiles jitattn builds ``variant``'s CUDA kernel with on ``arch`` (tiles_for with the
     variant's RoPE and the KV cache's dtype tag)."""
-    narrow = variant.score_mod is not None or variant.mask_mod is not None or \
-        variant.mask in ("custom", "multi_item") or variant.reduction != "softmax" or \
-        variant.window_left not in (None, -1)
+    narrow = (variant.score_mod is not None and not _score_kv_linear(variant)) or \
+        variant.mask_mod is not None or variant.mask in ("custom", "multi_item") or \
+        variant.reduction != "softmax" or variant.window_left not in (None, -1)
     return tiles_for(kind, head_dim, arch=arch, kv_fp8=kv_tag == "e4m3",
                      rope=variant.pos_encoding is not None, narrow=narrow)
+
+
+def _score_kv_linear(variant: Variant) -> bool:
+    """Whether the variant's score_mod is the kernels' one-FMA form (emit.kv_linear: ALiBi's
+    score + slope * (kv_idx - q_idx)), whose per-score code leaves the registers of a 192-key
+    tile free: ALiBi 1 x 32 x 16384 ran 2.6% faster on 192-key tiles than on 128 (4 x 32 x 4096
+    unchanged), where exact soft-cap 4 x 32 x 4096 ran 1.7% slower and the window 1024 2-3%
+    slower (H200, docs/performance.md, session 26)."""
+    score, _ = emit.divisions_as_products(variant.score.expr, None)
+    return emit.kv_linear(score) is not None
 
 
 @dataclass(frozen=True)

@@ -201,17 +201,22 @@ def test_tiles_per_arch_and_shared_memory():
 
 
 def test_wide_kv_tiles_only_for_plain_causal_and_full_variants():
-    """192-key tiles for causal / full variants; 128 for score_mod, mask_mod, custom and
-    multi-item masks and sigmoid (whose code needs the registers) and sliding windows
-    (render.tiles_for)."""
+    """192-key tiles for causal / full variants and ALiBi's one-FMA score_mod; 128 for other
+    score_mods, mask_mod, custom and multi-item masks and sigmoid (whose code needs the
+    registers) and sliding windows (render.tiles_for)."""
     tiles = lambda v: render.tiles_for_variant(v, "prefill", 128, arch="sm_90a").kv_tile  # noqa
     assert tiles(ja.Variant("c", mask="causal")) == tiles(ja.Variant("n", mask="none")) == 192
     assert tiles(ja.Variant("w", mask="causal", window_left=100)) == 128
     assert tiles(ja.Variant("w0", mask="causal", window_left=0)) == 128
     assert tiles(ja.Variant("w1", mask="causal", window_left=-1)) == 192  # no window
-    for name in ("softcap", "alibi", "sigmoid", "document_mask", "sliding_window",
-                 "prefix_lm", "relative_position_bias"):
+    for name in ("softcap", "sigmoid", "document_mask", "sliding_window", "prefix_lm",
+                 "relative_position_bias"):
         assert tiles(_example(name)) == 128, name
+    alibi = _example("alibi")
+    assert tiles(alibi) == tiles(dataclasses.replace(alibi, mask="none")) == 192
+    assert tiles(dataclasses.replace(alibi, window_left=64)) == 128
+    assert tiles(ja.Variant("s2", mask="causal",  # not linear in kv_idx
+                            score_mod=lambda s, b, h, q, k: s + _SLOPES[h] * (k - q) ** 2)) == 128
     assert tiles(ja.Variant("m", mask="custom")) == tiles(ja.Variant("i", mask="multi_item")) \
         == tiles(ja.Variant("s", mask="none", score_mod=lambda s, b, h, q, k: s)) == 128
 
@@ -236,11 +241,11 @@ _SLOPES = ja.tensor("slopes", ("num_qo_heads",), "float32")
 @pytest.mark.parametrize("mask, dtype_tag, head_dim, kv_tile", [("causal", "bf16", 128, 192),
                                                                ("none", "f16", 128, 192),
                                                                ("causal", "f16", 64, 192),
-                                                               ("alibi", "f16", 128, 128)])
+                                                               ("alibi", "f16", 128, 192)])
 def test_wide_kv_tile_kernels_do_not_spill(mask, dtype_tag, head_dim, kv_tile):
     """The 192-key wgmma kernels (the tightest: the shared-prefix build, 255 registers at
-    head_dim 128), and ALiBi's (a range's last tile first, narrowed: two more instantiations
-    of a tile's step), fit in the registers: ptxas reports no spill stores, and it does not
+    head_dim 128), ALiBi's among them (its bias's FMA a score, and a range's last tile first,
+    narrowed: two more instantiations of a tile's step), fit in the registers: ptxas reports no spill stores, and it does not
     serialize their wgmma instructions (C75xx "Potential Performance Loss", e.g. a branch
     between them or a divergent path that holds a wait)."""
     v = ja.Variant("wide", mask=mask) if mask != "alibi" else ja.Variant(
