@@ -245,9 +245,9 @@ _SLOPES = ja.tensor("slopes", ("num_qo_heads",), "float32")
 def test_wide_kv_tile_kernels_do_not_spill(mask, dtype_tag, head_dim, kv_tile):
     """The 192-key wgmma kernels (the tightest: the shared-prefix build, 255 registers at
     head_dim 128), ALiBi's among them (its bias's FMA a score, and a range's last tile first,
-    narrowed: two more instantiations of a tile's step), fit in the registers: ptxas reports no spill stores, and it does not
-    serialize their wgmma instructions (C75xx "Potential Performance Loss", e.g. a branch
-    between them or a divergent path that holds a wait)."""
+    narrowed: two more instantiations of a tile's step), fit in the registers: ptxas reports
+    no spill stores, and it does not serialize their wgmma instructions (C75xx "Potential
+    Performance Loss", e.g. a branch between them or a divergent path that holds a wait)."""
     v = ja.Variant("wide", mask=mask) if mask != "alibi" else ja.Variant(
         "alibi", mask="causal", score_mod=lambda s, b, h, qi, ki: s + _SLOPES[h] * (ki - qi))
     for shared_kv in (False, True):
