@@ -244,13 +244,32 @@ def _flip(values: frozenset) -> frozenset:
     return frozenset({_POS: _NEG, _NEG: _POS}.get(v, v) for v in values)
 
 
+def _signs(e: Expr) -> frozenset:
+    """The signs ("-", "0", "+") a factor or divisor of an infinity can take: a constant's
+    own; a bool expression's 0 and + (torch and the kernels multiply it as 0 / 1: inf *
+    (kv_idx > q_idx) is NaN where the comparison is false); an int expression's every sign; a
+    where()'s branches'; a float leaf that is not a constant, positive (a temperature, a
+    scale)."""
+    if e.op == "const":
+        c = float(e.args[0])
+        return frozenset({"-" if c < 0 else "0" if c == 0 else "+"})
+    if e.kind == "bool":
+        return frozenset({"0", "+"})
+    if e.kind == "int":
+        return frozenset({"-", "0", "+"})
+    if e.op == "where":
+        return frozenset().union(*(_signs(y) for y in e.args[1:] if isinstance(y, Expr)))
+    return frozenset({"+"})
+
+
 def _nonfinite(e: Expr, memo: dict, constants: set) -> frozenset:
     """The non-finite values ("+inf", "-inf", "NaN") float expression ``e`` can take through its
     infinite constants (each added to ``constants`` as Python shows it: "inf", "-inf"), its
-    other leaves (score, symbols, parameters, table reads) taken as finite, and a factor or
-    divisor that is not a constant as positive (a temperature, a scale). So -inf stays -inf
-    through where, +, such factors, min and max; inf - inf and inf * 0 are NaN. Int and bool
-    expressions take none (a comparison with an infinity decides as in torch)."""
+    other leaves (score, symbols, parameters, table reads) taken as finite, a factor or
+    divisor of an infinity signed as _signs says, and a division by a constant 0 as any of
+    them. So -inf stays -inf through where, +, positive factors, min and max; inf - inf, inf * 0
+    and inf * (a comparison) are NaN. Int and bool expressions take none (a comparison with an
+    infinity decides as in torch)."""
     if id(e) in memo:
         return memo[id(e)]
     op, a = e.op, e.args
@@ -275,8 +294,13 @@ def _nonfinite(e: Expr, memo: dict, constants: set) -> frozenset:
             out = x[0] | x[1] | {_POS, _NEG} if op == "*" else x[0] | {_NAN}
         elif op in ("*", "/") and (x[0] or x[1] and op == "*"):
             inf, other = (x[0], a[1]) if x[0] else (x[1], a[0])
-            c = float(other.args[0]) if other.op == "const" else 1.0  # (else taken as > 0)
-            out = frozenset({_NAN}) if c == 0 and op == "*" else inf if c >= 0 else _flip(inf)
+            signs = _signs(other)  # (inf / 0 is inf: the zero is +0)
+            out = (inf if "+" in signs or "0" in signs and op == "/" else frozenset()) | (
+                _flip(inf) if "-" in signs else frozenset()) | (
+                {_NAN} if "0" in signs and op == "*" else frozenset())
+        elif op == "/" and a[1].op == "const" and float(a[1].args[0]) == 0:
+            constants.add(repr(float(a[1].args[0])))  # (a finite / 0: +-inf, 0 / 0 NaN)
+            out = frozenset({_POS, _NEG, _NAN})
         elif op == "where":
             out = x[1] | x[2]
         elif op in ("min", "max"):  # (min: +inf only where both are; max: -inf likewise)
@@ -385,8 +409,9 @@ def refuse_nonfinite(score: Traced, reduction: str) -> None:
         raise SpecError(f"score_mod {score.fn_name!r} (defined at {score.source}): its "
                         f"constant{'s' * (len(constants) > 1)} {' and '.join(sorted(constants))} "
                         f"can make the score {made}, which makes the row's output and lse NaN; "
-                        f"expected finite constants, and -inf only where it hides a key "
-                        f"(torch.where(cond, score, -inf))")
+                        f"expected finite constants (no division by 0), and -inf only where it "
+                        f"hides a key (torch.where(cond, score, -inf), not -inf * cond: "
+                        f"-inf * 0 is NaN)")
 
 
 def params_of(*exprs: Expr) -> list:

@@ -517,7 +517,9 @@ def test_torch_forms_that_do_not_trace_say_what_does():
 def test_infinite_constants_that_make_a_score_nan_are_refused():
     """A +inf constant in a score_mod (score + inf, torch.where(c, score, inf)) was accepted and
     its rows came out NaN; so were -inf constants made +inf or NaN (a negative factor, * 0,
-    inf - inf). -inf that hides keys (also through a runtime divisor, or negated twice), bounds
+    inf - inf, a comparison or int as a factor: -inf * (k > q) is NaN where it is false, as in
+    torch) and a division by a constant 0. -inf that hides keys (also through a runtime
+    divisor, a nonzero where() or a comparison as divisor, or negated twice), bounds
     (clamp(max=inf)), comparisons and a sigmoid's +inf (a weight of 1) stay; a NaN constant
     names itself and what is expected."""
     inf, temperature = float("inf"), torch.tensor(0.5)
@@ -530,11 +532,19 @@ def test_infinite_constants_that_make_a_score_nan_are_refused():
             (lambda s, b, h, q, k: torch.where(k <= q, s, -inf) * 0.0, r"constant -inf can "
                                                                        r"make the score NaN"),
             (lambda s, b, h, q, k: torch.where(k <= q, s, -inf) + torch.where(k > 2, s, inf),
-             r"constants -inf and inf can make the score \+inf or NaN")):
+             r"constants -inf and inf can make the score \+inf or NaN"),
+            (lambda s, b, h, q, k: s - inf * (k > q), r"constant inf can make the score NaN"),
+            (lambda s, b, h, q, k: s + -inf * torch.where(k > q, 1.0, 0.0),
+             r"constant -inf can make the score NaN"),
+            (lambda s, b, h, q, k: s + inf * (q - k), r"constant inf can make the score \+inf "
+                                                      r"or NaN"),
+            (lambda s, b, h, q, k: s / 0.0, r"constant 0.0 can make the score \+inf or NaN")):
         with pytest.raises(SpecError, match=r"score_mod '<lambda>' \(defined at .*test_dsl.py:"
                                             r"\d+\): its " + text + r", which makes the row's "
-                                            r"output and lse NaN; expected finite constants, "
-                                            r"and -inf only where it hides a key"):
+                                            r"output and lse NaN; expected finite constants "
+                                            r"\(no division by 0\), and -inf only where it "
+                                            r"hides a key \(torch.where\(cond, score, -inf\), "
+                                            r"not -inf \* cond: -inf \* 0 is NaN\)"):
             ja.Variant("inf", mask="none", score_mod=fn)
     with pytest.raises(SpecError, match=r"score_mod '<lambda>' .*: constant nan in a variant "
                                         r"expression: expected a number"):
@@ -547,7 +557,9 @@ def test_infinite_constants_that_make_a_score_nan_are_refused():
                lambda s, b, h, q, k: -torch.where(k <= q, -s, inf),
                lambda s, b, h, q, k: torch.where(k <= q, s, -inf) / temperature,
                lambda s, b, h, q, k: torch.clamp(s, max=inf) + ja.tanh(s + inf),
-               lambda s, b, h, q, k: torch.where(s < inf, s, 0.0)):
+               lambda s, b, h, q, k: torch.where(s < inf, s, 0.0),
+               lambda s, b, h, q, k: s - inf * torch.where(k > q + 20, 1.0, 2.0),
+               lambda s, b, h, q, k: s - inf / (k > q)):
         out = reference.attention(q, k, v, ja.Variant("kept", mask="none", score_mod=fn))
         assert not out.isnan().any()
 
