@@ -390,7 +390,7 @@ def emit_cpp(e, hoisted: dict | None = None) -> str:
             else f"ja_pow((float){x[0]}, (float){x[1]})"
     if op == "//":
         return f"ja_floordiv({x[0]}, {x[1]})" if e.kind == "int" \
-            else f"ja_floorf((float){x[0]} / (float){x[1]})"
+            else f"ja_floordivf((float){x[0]}, (float){x[1]})"
     if op == "%":
         return f"ja_mod({x[0]}, {x[1]})" if e.kind == "int" \
             else f"ja_fmod((float){x[0]}, (float){x[1]})"

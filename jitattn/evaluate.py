@@ -56,7 +56,9 @@ def evaluate(e: Expr, env: dict, params: dict):
             r = (torch.div(p, safe, rounding_mode="floor") if op == "//"
                  else torch.remainder(p, safe))
             return torch.where(q == 0, torch.zeros_like(r), r)
-        return torch.floor(p / q) if op == "//" else p - q * torch.floor(p / q)
+        # (torch's float // and %, from the exact remainder: floor(p / q) floors a rounded
+        # quotient, which can be the next integer up)
+        return torch.div(p, q, rounding_mode="floor") if op == "//" else torch.remainder(p, q)
     if op in ("&", "|", "^"):
         return {"&": torch.bitwise_and, "|": torch.bitwise_or, "^": torch.bitwise_xor}[op](
             *(T(v) for v in x))

@@ -162,3 +162,26 @@ def test_repeated_calls_take_each_calls_tensors():
     wide = torch.randn(50, 4, 64, generator=gen).half()  # k2, v2: strided views
     check(variant, {"cap": 20.0}, q1, k1, v1)
     check(variant, {"cap": 5.0}, q2, wide[:, :2], wide[:, 2:])
+
+
+def test_float_floordiv_and_mod_are_pythons():
+    """Float // and % floored the float32 quotient: 1 // 0.1, whose quotient 9.99999985 rounds
+    to 10.0f, gave 10 where Python and torch give 9, so a mask_mod kv_idx // 0.1 < 29.5 hid key
+    3, and kv_idx % 0.1 was about 0 instead of about 0.1 (a trial's report). The kernel and the
+    reference now floor the exact remainder's quotient, as Python: the keys each mask keeps are
+    Python's, and the output is softmax over them."""
+    tenth, third = (float(torch.tensor(c, dtype=torch.float32)) for c in (0.1, 0.3))  # (float32
+    #                                                                 constants, as the kernels')
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(n, 2, 64, generator=gen).half() for n in (1, 40, 40))
+    for mask_mod, keep in (
+            (lambda b, h, qi, ki: ki // 0.1 < 29.5, [j // tenth < 29.5 for j in range(40)]),
+            (lambda b, h, qi, ki: ki % 0.1 > 0.05, [j % tenth > 0.05 for j in range(40)]),
+            (lambda b, h, qi, ki: (-ki) % -0.3 < -0.15, [(-j) % -third < -0.15
+                                                         for j in range(40)])):
+        assert 0 < sum(keep) < 40
+        out = ja.attention(q, k, v, ja.Variant("fdiv", mask="none", mask_mod=mask_mod))
+        s = torch.einsum("hd,khd->hk", q[0].double(), k.double()) / 8.0
+        s[:, ~torch.tensor(keep)] = -math.inf
+        want = torch.einsum("hk,khd->hd", s.softmax(-1), v.double())
+        torch.testing.assert_close(out[0].double(), want, atol=2e-3, rtol=0)

@@ -54,8 +54,22 @@ JA_HD float ja_exp(float x) { return expf(x); }
 JA_HD float ja_log(float x) { return logf(x); }
 JA_HD float ja_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 JA_HD float ja_pow(float a, float b) { return powf(a, b); }
-JA_HD float ja_floorf(float x) { return floorf(x); }
-JA_HD float ja_fmod(float a, float b) { return a - b * floorf(a / b); }  // Python float %
+// Python's (and torch's) float // and %, from the exact remainder fmodf (CPython's float_divmod,
+// torch's div_floor_floating): floorf(a / b) floored the rounded quotient, so 1 // 0.1f, whose
+// quotient 9.99999985 rounds to 10.0f, gave 10 where Python gives 9. By 0: a / b and NaN, as torch.
+JA_HD float ja_floordivf(float a, float b) {
+  if (b == 0.0f) return a / b;
+  const float mod = fmodf(a, b);
+  float div = (a - mod) / b;
+  if (mod != 0.0f && ((b < 0.0f) != (mod < 0.0f))) div -= 1.0f;
+  if (div == 0.0f) return copysignf(0.0f, a / b);
+  const float floordiv = floorf(div);
+  return div - floordiv > 0.5f ? floordiv + 1.0f : floordiv;
+}
+JA_HD float ja_fmod(float a, float b) {
+  const float mod = fmodf(a, b);
+  return mod != 0.0f && ((b < 0.0f) != (mod < 0.0f)) ? mod + b : mod;
+}
 // Integer expressions of the DSL are 64-bit, or 32-bit where the emitter proves their values
 // fit (emit.narrow); both kinds of operands never meet in one call.
 typedef long long ja_int;
