@@ -244,22 +244,47 @@ def _flip(values: frozenset) -> frozenset:
     return frozenset({_POS: _NEG, _NEG: _POS}.get(v, v) for v in values)
 
 
+_ANY_SIGN = frozenset({"-", "0", "+"})
+_NEGATED = {"-": "+", "0": "0", "+": "-"}
+
+
 def _signs(e: Expr) -> frozenset:
     """The signs ("-", "0", "+") a factor or divisor of an infinity can take: a constant's
     own; a bool expression's 0 and + (torch and the kernels multiply it as 0 / 1: inf *
-    (kv_idx > q_idx) is NaN where the comparison is false); an int expression's every sign; a
-    where()'s branches'; a float leaf that is not a constant, positive (a temperature, a
-    scale)."""
-    if e.op == "const":
-        c = float(e.args[0])
+    (kv_idx > q_idx) is NaN where the comparison is false); an int expression's and the
+    score's every sign; a parameter or table read (a temperature, a scale), exp and sigmoid
+    positive; arithmetic, where(), min / max and tanh by their operands' signs (so
+    (1 - keep[kv_idx]) * -inf, HF's additive mask, can be 0 * -inf: NaN)."""
+    op, a = e.op, e.args
+    if op == "const":
+        c = float(a[0])
         return frozenset({"-" if c < 0 else "0" if c == 0 else "+"})
     if e.kind == "bool":
         return frozenset({"0", "+"})
-    if e.kind == "int":
-        return frozenset({"-", "0", "+"})
-    if e.op == "where":
-        return frozenset().union(*(_signs(y) for y in e.args[1:] if isinstance(y, Expr)))
-    return frozenset({"+"})
+    if e.kind == "int" or op == "sym":
+        return _ANY_SIGN
+    if op in ("scalar", "index", "exp", "sigmoid"):
+        return frozenset({"+"})
+    x = [_signs(y) if isinstance(y, Expr) else _ANY_SIGN for y in a]
+    if op in ("where", "min", "max"):
+        return frozenset().union(*x[1 if op == "where" else 0:])
+    if op in ("neg", "tanh", "tanh_approx"):
+        return frozenset(_NEGATED[v] for v in x[0]) if op == "neg" else x[0]
+    if op == "abs":
+        return frozenset("0" if v == "0" else "+" for v in x[0])
+    if op in ("*", "/"):
+        if op == "/" and "0" in x[1]:
+            return _ANY_SIGN
+        return frozenset("0" if "0" in (u, w) else "+" if u == w else "-"
+                         for u in x[0] for w in x[1])
+    if op in ("+", "-"):
+        y = x[1] if op == "+" else frozenset(_NEGATED[v] for v in x[1])
+        for side in ("+", "-"):  # (both of one sign or 0: that sign, 0 where both can be)
+            if x[0] <= {side, "0"} and y <= {side, "0"}:
+                return frozenset({side} if side in x[0] | y else ()) | (
+                    {"0"} if "0" in x[0] and "0" in y else frozenset())
+        return _ANY_SIGN
+    return _ANY_SIGN
 
 
 def _nonfinite(e: Expr, memo: dict, constants: set) -> frozenset:

@@ -518,11 +518,12 @@ def test_infinite_constants_that_make_a_score_nan_are_refused():
     """A +inf constant in a score_mod (score + inf, torch.where(c, score, inf)) was accepted and
     its rows came out NaN; so were -inf constants made +inf or NaN (a negative factor, * 0,
     inf - inf, a comparison or int as a factor: -inf * (k > q) is NaN where it is false, as in
-    torch) and a division by a constant 0. -inf that hides keys (also through a runtime
+    torch; the score or a difference as a factor: HF's additive mask (1 - keep) * -inf) and a
+    division by a constant 0. -inf that hides keys (also through a runtime
     divisor, a nonzero where() or a comparison as divisor, or negated twice), bounds
     (clamp(max=inf)), comparisons and a sigmoid's +inf (a weight of 1) stay; a NaN constant
     names itself and what is expected."""
-    inf, temperature = float("inf"), torch.tensor(0.5)
+    inf, temperature, keep = float("inf"), torch.tensor(0.5), torch.tensor([1.0, 0.0, 1.0])
     for fn, text in (
             (lambda s, b, h, q, k: s + inf, r"constant inf can make the score \+inf"),
             (lambda s, b, h, q, k: torch.where(k <= q, s, inf), r"constant inf can make the "
@@ -538,7 +539,10 @@ def test_infinite_constants_that_make_a_score_nan_are_refused():
              r"constant -inf can make the score NaN"),
             (lambda s, b, h, q, k: s + inf * (q - k), r"constant inf can make the score \+inf "
                                                       r"or NaN"),
-            (lambda s, b, h, q, k: s / 0.0, r"constant 0.0 can make the score \+inf or NaN")):
+            (lambda s, b, h, q, k: s / 0.0, r"constant 0.0 can make the score \+inf or NaN"),
+            (lambda s, b, h, q, k: s + (1.0 - keep[k]) * -inf, r"constant -inf can make the "
+                                                               r"score \+inf or NaN"),
+            (lambda s, b, h, q, k: s * -inf, r"constant -inf can make the score \+inf or NaN")):
         with pytest.raises(SpecError, match=r"score_mod '<lambda>' \(defined at .*test_dsl.py:"
                                             r"\d+\): its " + text + r", which makes the row's "
                                             r"output and lse NaN; expected finite constants "
@@ -559,7 +563,8 @@ def test_infinite_constants_that_make_a_score_nan_are_refused():
                lambda s, b, h, q, k: torch.clamp(s, max=inf) + ja.tanh(s + inf),
                lambda s, b, h, q, k: torch.where(s < inf, s, 0.0),
                lambda s, b, h, q, k: s - inf * torch.where(k > q + 20, 1.0, 2.0),
-               lambda s, b, h, q, k: s - inf / (k > q)):
+               lambda s, b, h, q, k: s - inf / (k > q),
+               lambda s, b, h, q, k: torch.where(k <= q, s, -inf) * (1.0 + keep[k % 3])):
         out = reference.attention(q, k, v, ja.Variant("kept", mask="none", score_mod=fn))
         assert not out.isnan().any()
 
