@@ -41,6 +41,8 @@ _CALL_KEYWORDS = ("return_lse", "sm_scale", "out", "lse", "qo_indptr", "kv_indpt
                   "v_scale")
 
 MASKS = ("none", "causal", "custom", "multi_item")
+# the shape symbol a table's dimension indexed directly by b, h, q_idx or kv_idx must be
+_INDEX_SIZE = {"b": "batch_size", "h": "num_qo_heads", "q_idx": "kv_len", "kv_idx": "kv_len"}
 #: Called with every new Variant, and with a copy or an unpickled one (ops.py gives each the
 #: handle by which its torch custom op finds it).
 ON_CREATE: list = []
@@ -304,16 +306,23 @@ class Variant:
                 stand_ins.add(p.name)
                 t = t.new_zeros((1,) * t.dim())
             bound[p.name] = t
-        extent = {"b": sizes["batch_size"], "h": sizes["num_qo_heads"],
-                  "q_idx": sizes["kv_len"], "kv_idx": sizes["kv_len"]}
-        shown = {p.name: p.display for p in self._params if isinstance(p, TensorParam)}
+        extent = {sym: sizes[size] for sym, size in _INDEX_SIZE.items()}
+        tensors = {p.name: p for p in self._params if isinstance(p, TensorParam)}
         for name, dim, sym in self._direct_index:
             t = bound[name]
             if t.shape[dim] < extent[sym] and name not in stand_ins:
+                # (a dimension declared by another size: "qo_len" for q_idx fits only while
+                # qo_len == kv_len, "num_kv_heads" for h only without GQA)
+                param = tensors.get(name)
+                need, declared = _INDEX_SIZE[sym], param and param.shape[dim]
+                hint = f"; declare dimension {dim} {need!r}, not {declared!r}" + (
+                    " (q_idx is a query's position in its request's KV, kv_len - qo_len + i)"
+                    if sym == "q_idx" else " (h is the query head)" if sym == "h" else "") \
+                    if isinstance(declared, str) and declared != need else ""
                 raise ValueError(
-                    f"tensor {shown.get(name, name)!r} (shape {tuple(t.shape)}) is indexed by "
-                    f"{sym} in dimension {dim}, which reaches {extent[sym] - 1}: that "
-                    f"dimension needs {extent[sym]} entries, it has {t.shape[dim]}")
+                    f"tensor {param.display if param else name!r} (shape {tuple(t.shape)}) is "
+                    f"indexed by {sym} in dimension {dim}, which reaches {extent[sym] - 1}: that "
+                    f"dimension needs {extent[sym]} entries, it has {t.shape[dim]}{hint}")
         return bound
 
     def describe(self) -> str:

@@ -129,6 +129,29 @@ def test_a_captured_tensor_too_short_for_its_index_is_named_by_its_variable():
         ja.attention(q, q, q, variant)
 
 
+def test_a_table_declared_by_another_size_than_its_index_needs_is_told_which():
+    """A ja.tensor declared ("qo_len",) and indexed by q_idx, which is a query's position in
+    its request's KV, was refused with qo_len entries (it needs kv_len) and with kv_len entries
+    (its declaration says qo_len), each error asking for what the other refused (a trial's
+    report); one declared by num_kv_heads and indexed by h worked until GQA. The error names
+    the size to declare."""
+    q = torch.randn(6, 4, 32).half()
+    k = torch.randn(13, 2, 32).half()
+    per_query, per_head = ja.tensor("qb", ("qo_len",)), ja.tensor("hb", ("num_kv_heads",))
+    for score_mod, params, text in (
+            (lambda s, b, h, qi, ki: s + per_query[qi], dict(qb=torch.randn(6)),
+             r"tensor 'qb' \(shape \(6,\)\) is indexed by q_idx in dimension 0, which reaches "
+             r"12: that dimension needs 13 entries, it has 6; declare dimension 0 'kv_len', "
+             r"not 'qo_len' \(q_idx is a query's position in its request's KV"),
+            (lambda s, b, h, qi, ki: s + per_head[h], dict(hb=torch.randn(2)),
+             r"indexed by h in dimension 0, which reaches 3: that dimension needs 4 entries, "
+             r"it has 2; declare dimension 0 'num_qo_heads', not 'num_kv_heads' \(h is the "
+             r"query head\)")):
+        variant = ja.Variant("declared", mask="causal", score_mod=score_mod)
+        with pytest.raises(ValueError, match=text):
+            ja.attention(q, k, k, variant, **params)
+
+
 @pytest.mark.parametrize("sm_scale", [0.0, -0.125, float("nan"), float("inf"), True, "0.1",
                                       1e-46, 1e39])
 def test_bad_sm_scale(sm_scale):
