@@ -88,8 +88,14 @@ def test_a_non_contiguous_captured_tensor_is_refused_when_traced():
 
 
 def test_mask_mod_must_return_bool():
-    with pytest.raises(SpecError, match="must return a bool"):
+    """An int is refused; a product of two comparisons, FlexAttention's (q >= k) * (k % 2 == 0)
+    (bool in torch, an int in Python), is told to write &."""
+    with pytest.raises(SpecError, match=r"must return a bool expression \(a comparison\), got "
+                                        r"int$"):
         tracing.trace(lambda b, h, q, k: q - k, "mask_mod")
+    with pytest.raises(SpecError, match=r"got int; a product of two bools is an int in Python "
+                                        r"\(torch keeps bool\): write a & b"):
+        tracing.trace(lambda b, h, q, k: (q >= k) * (k % 2 == 0), "mask_mod")
 
 
 def test_data_dependent_if_points_to_where():
