@@ -265,9 +265,33 @@ def tensor_map(data_type: int, address: int, dims: tuple, strides: tuple,
     return _driver().encode_tiled(data_type, address, dims, strides, box)
 
 
+def _elf_truncated(data: bytes) -> str | None:
+    """Why a 64-bit little-endian ELF image (the CPU backend's library on x86-64 / aarch64
+    Linux) is shorter than its own headers say, else None (other formats are left to the
+    loader). dlopen maps a truncated library's segments past the end of its file, and the first
+    read there kills the process with SIGBUS, which no exception can catch."""
+    if len(data) < 64 or data[:6] != b"\x7fELF\x02\x01":
+        return None
+    phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+    ends = [phoff + phnum * phentsize, shoff + shnum * shentsize]
+    if ends[0] <= len(data):
+        for i in range(phnum):  # each segment's file bytes: p_offset, p_filesz
+            offset, = struct.unpack_from("<Q", data, phoff + i * phentsize + 0x08)
+            size, = struct.unpack_from("<Q", data, phoff + i * phentsize + 0x20)
+            ends.append(offset + size)
+    if max(ends) > len(data):
+        return f"truncated: {len(data)} bytes, its ELF headers reach byte {max(ends)}"
+    return None
+
+
 def load_cpu(path: Path, src: RenderedSource) -> CpuKernel:
     """The CPU backend's library at ``path``; BadBinary when it is not a loadable library
-    with the source's entry points."""
+    with the source's entry points (a truncated one included, which dlopen would map and
+    then fault on)."""
+    truncated = _elf_truncated(path.read_bytes())
+    if truncated:
+        raise BadBinary(f"{path}: {truncated}")
     try:
         library = ctypes.CDLL(str(path))
     except OSError as e:

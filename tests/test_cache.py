@@ -1,8 +1,10 @@
 """The kernel cache: hits, concurrent builds, corrupt and partial entries, links, unusable
 directories, the in-process memo."""
 
+import hashlib
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -365,6 +367,29 @@ def test_a_binary_that_passes_its_checksum_but_does_not_load_is_rebuilt(fresh_ca
     _run_variant()
     assert "passed its checksum but does not load" in caplog.text
     assert path.stat().st_size > 0 and not jit.compile_cached(_src(), None)[1]
+
+
+def test_a_truncated_library_whose_checksum_was_rewritten_is_rebuilt_not_loaded(fresh_cache):
+    """dlopen mapped a truncated library whose sha256 had been rewritten to match, and the
+    process died of SIGBUS, on every later run (a trial's report). Its ELF headers' extent is
+    checked before the load, and the entry rebuilt. In a child process: a regression kills
+    the child, not the test run."""
+    path, _ = jit.compile_cached(_src(), None)
+    whole = path.stat().st_size
+    path.write_bytes(path.read_bytes()[:whole // 3])
+    meta = json.loads((path.parent / "meta.json").read_text())
+    meta["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (path.parent / "meta.json").write_text(json.dumps(meta))
+    assert jit.compile_cached(_src(), None) == (path, False)  # the checksum holds
+    child = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                               "import test_cache; test_cache._run_variant(); print('ran')"],
+        capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0 and child.stdout.strip() == "ran", (child.returncode,
+                                                                     child.stderr[-2000:])
+    assert re.search(r"passed its checksum but does not load \(.*truncated: \d+ bytes, its ELF "
+                     r"headers reach byte \d+\); rebuilding", child.stderr), child.stderr
+    assert path.stat().st_size > whole // 3
 
 
 def test_only_a_bad_binary_is_rebuilt_and_only_once(fresh_cache):
