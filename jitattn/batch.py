@@ -133,9 +133,9 @@ class BatchPrefill:
             of q. kv_indptr: [batch + 1] int32 into kv_indices; kv_indices: page ids, int32;
             kv_last_page_len: [batch] int32 in [1, page_size] for requests with pages.
             Host (CPU) tensors avoid a device sync.
-        q_dtype: torch.float16 or torch.bfloat16. kv_dtype: the cache's, q_dtype (default) or
-            torch.float8_e4m3fn (fp8 KV: dequantized on load, exactly, into q_dtype; run()
-            takes the caches' scales k_scale / v_scale).
+        q_dtype: torch.float16 or torch.bfloat16. kv_dtype: the cache's, q_dtype (default),
+            torch.float8_e4m3fn or torch.float8_e5m2 (fp8 KV: dequantized on load, exactly,
+            into q_dtype; run() takes the caches' scales k_scale / v_scale).
         sm_scale: > 0; default 1 / sqrt(head_dim).
         Mask "custom": custom_mask, flattened bool, row-major [qo_len, kv_len] per request
             (length sum(qo_len * kv_len)); or packed_custom_mask (uint8, each request's bits

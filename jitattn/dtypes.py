@@ -6,8 +6,11 @@ import torch
 
 #: Attention input/output dtypes the kernels are built for.
 QKV_DTYPES = (torch.float16, torch.bfloat16)
-#: KV-cache dtypes besides q's own: fp8 e4m3 (dequantized on load; the batch wrappers' kv_dtype)
-FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+#: KV-cache dtypes besides q's own, by tag: fp8 e4m3 and e5m2 (dequantized on load, exactly;
+#: the batch wrappers' kv_dtype)
+FP8_TAG = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+FP8_KV_DTYPES = tuple(FP8_TAG)
+FP8_TAGS = tuple(FP8_TAG.values())
 
 TAG = {
     torch.float16: "f16",
@@ -27,11 +30,14 @@ FROM_NAME = {
 }
 
 #: C++ type per tag, per backend. The CPU backend keeps 16-bit floats as tagged uint16 structs.
+#: fp8 on CUDA: e4m3 as the raw byte, e5m2 as a 1-byte enum of its own (the kernels tell the
+#: formats apart by the type, at compile time; jitattn_cuda_types.cuh).
 CTYPE = {
     "cuda": {"f16": "half", "bf16": "__nv_bfloat16", "f32": "float", "i32": "int",
-             "i64": "long long", "bool": "unsigned char", "e4m3": "__nv_fp8_storage_t"},
+             "i64": "long long", "bool": "unsigned char", "e4m3": "__nv_fp8_storage_t",
+             "e5m2": "ja_e5m2"},
     "cpu": {"f16": "ja_f16", "bf16": "ja_bf16", "f32": "float", "i32": "int",
-            "i64": "long long", "bool": "unsigned char", "e4m3": "ja_e4m3"},
+            "i64": "long long", "bool": "unsigned char", "e4m3": "ja_e4m3", "e5m2": "ja_e5m2"},
 }
 
 
@@ -44,8 +50,8 @@ def tag(dtype: torch.dtype) -> str:
 
 
 def kv_tag(dtype: torch.dtype) -> str:
-    """Tag of a KV-cache dtype: q's own (f16, bf16) or fp8 e4m3."""
-    return "e4m3" if dtype == torch.float8_e4m3fn else tag(dtype)
+    """Tag of a KV-cache dtype: q's own (f16, bf16) or fp8 ("e4m3", "e5m2")."""
+    return FP8_TAG.get(dtype) or tag(dtype)
 
 
 def is_float_tag(t: str) -> bool:

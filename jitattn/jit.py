@@ -173,9 +173,9 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
                dtype_tag: str = "f16", device_index: int = 0, kv_tag: str | None = None,
                shared_kv: bool = False):
     """A loaded kernel for this specialisation (CudaKernel or CpuKernel), memoised. kv_tag:
-    the KV cache's dtype tag when it differs from dtype_tag ("e4m3"). shared_kv: the CUDA
-    kernel for ragged keys with shared prefixes (render.render_cuda; the CPU backend reads
-    them in every build)."""
+    the KV cache's dtype tag when it differs from dtype_tag ("e4m3", "e5m2"). shared_kv: the
+    CUDA kernel for ragged keys with shared prefixes (render.render_cuda; the CPU backend
+    reads them in every build)."""
     kv_tag = kv_tag or dtype_tag
     # the tiles follow from the rest (render.tiles_for_variant of the device's arch), so the
     # key leaves them out: a warm call builds nothing

@@ -117,7 +117,7 @@ def tiles_for_variant(variant: Variant, kind: str, head_dim: int, *, arch: str |
     narrow = (variant.score_mod is not None and not _score_kv_linear(variant)) or \
         variant.mask_mod is not None or variant.mask in ("custom", "multi_item") or \
         variant.reduction != "softmax" or variant.window_left not in (None, -1)
-    return tiles_for(kind, head_dim, arch=arch, kv_fp8=kv_tag == "e4m3",
+    return tiles_for(kind, head_dim, arch=arch, kv_fp8=kv_tag in dtypes.FP8_TAGS,
                      rope=variant.pos_encoding is not None, narrow=narrow)
 
 
@@ -145,7 +145,7 @@ class RenderedSource:
     kind: str = "prefill"
     head_dim: int = 128
     tiles: Tiles | None = None
-    kv_fp8: bool = False           # CUDA attention: the KV cache is fp8 e4m3
+    kv_fp8: bool = False           # CUDA attention: the KV cache is fp8 (e4m3 or e5m2)
     rope: bool = False             # the variant rotates Q and K (RoPE)
 
     @property
@@ -243,12 +243,12 @@ def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
                 tiles: Tiles | None = None, kv_tag: str | None = None,
                 arch: str | None = None, shared_kv: bool = False) -> RenderedSource:
     """CUDA source of one prefill or decode kernel: q / o of dtype_tag ("f16" | "bf16") over a
-    KV cache of kv_tag (default the same; "e4m3": fp8, dequantized on load). tiles: default
-    the ones jitattn picks for ``arch`` (tiles_for_variant). shared_kv: the kernel reads ragged
-    keys whose requests may begin with a shared prefix (BatchPrefill.plan's
+    KV cache of kv_tag (default the same; "e4m3" / "e5m2": fp8, dequantized on load). tiles:
+    default the ones jitattn picks for ``arch`` (tiles_for_variant). shared_kv: the kernel
+    reads ragged keys whose requests may begin with a shared prefix (BatchPrefill.plan's
     shared_prefix_start / shared_prefix_len); without it the copies assume one run per request
     (finding the run of every tile cost plain prefill 1-2% on the H200, docs/performance.md
-    session 10)."""
+    session 10). Raises ValueError for an unknown kind, head_dim, dtype_tag or kv_tag."""
     kv_tag = kv_tag or dtype_tag
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: expected one of {KINDS}")
@@ -256,8 +256,8 @@ def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
         raise ValueError(f"head_dim={head_dim}: expected one of {HEAD_DIMS}")
     if dtype_tag not in ("f16", "bf16"):
         raise ValueError(f"dtype {dtype_tag!r}: expected 'f16' or 'bf16'")
-    if kv_tag not in (dtype_tag, "e4m3"):
-        raise ValueError(f"KV dtype {kv_tag!r}: expected {dtype_tag!r} (q's) or 'e4m3'")
+    if kv_tag != dtype_tag and kv_tag not in dtypes.FP8_TAGS:
+        raise ValueError(f"KV dtype {kv_tag!r}: expected {dtype_tag!r} (q's), 'e4m3' or 'e5m2'")
     tiles = tiles or tiles_for_variant(variant, kind, head_dim, arch=arch, kv_tag=kv_tag)
     decls, names = _param_decls(variant, "cuda")
     entry = f"jitattn_{kind}"
@@ -274,7 +274,7 @@ def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
         f"{'-shared_kv' if shared_kv else ''}",
         entries=(entry,), include_dirs=_include_dirs("cuda"),
         headers_digest=_headers_digest("cuda"), hooks=_hook_lines(code, variant), kind=kind,
-        head_dim=head_dim, tiles=tiles, kv_fp8=kv_tag == "e4m3",
+        head_dim=head_dim, tiles=tiles, kv_fp8=kv_tag in dtypes.FP8_TAGS,
         rope=variant.pos_encoding is not None)
 
 
@@ -285,13 +285,13 @@ def cpu_entry(q_tag: str, kv_tag: str) -> str:
 
 def render_cpu(variant: Variant, *, head_dim: int) -> RenderedSource:
     """C++/OpenMP source of the CPU backend: one library with an entry point per q dtype (fp16,
-    bf16) and KV-cache dtype (q's own, fp8 e4m3)."""
+    bf16) and KV-cache dtype (q's own, fp8 e4m3, fp8 e5m2)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim}: expected one of {HEAD_DIMS}")
     decls, names = _param_decls(variant, "cpu")
-    # q/o dtype x KV dtype: the cache in q's dtype, or fp8 e4m3
+    # q/o dtype x KV dtype: the cache in q's dtype, or fp8 (e4m3, e5m2)
     entries = tuple((cpu_entry(q, kv), dtypes.CTYPE["cpu"][q], dtypes.CTYPE["cpu"][kv])
-                    for q in ("f16", "bf16") for kv in (q, "e4m3"))
+                    for q in ("f16", "bf16") for kv in (q, *dtypes.FP8_TAGS))
     code = _environment().get_template("cpu/attention.cpp.j2").render(
         version=__version__, variant=variant, head_dim=head_dim, param_args=decls,
         param_names=names, entries=entries,

@@ -11,6 +11,7 @@
 struct ja_f16 { uint16_t bits; };
 struct ja_bf16 { uint16_t bits; };
 struct ja_e4m3 { uint8_t bits; };  // fp8 e4m3 (OCP FP8, "fn": no infinities), KV caches only
+struct ja_e5m2 { uint8_t bits; };  // fp8 e5m2 (OCP FP8: infinities and NaNs), KV caches only
 
 inline uint32_t ja_float_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float ja_bits_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -36,6 +37,10 @@ inline float ja_to_float(ja_e4m3 x) {
                              : ja_bits_float(((exp + 120u) << 23) | (man << 20));
   return neg ? -mag : mag;
 }
+
+// e5m2: sign, 5 exponent bits (bias 15), 2 mantissa bits: the top byte of an IEEE fp16, so its
+// value is exactly that fp16's (exponent 0: man * 2^-16; exponent 31: infinity or NaN).
+inline float ja_to_float(ja_e5m2 x) { return ja_to_float(ja_f16{(uint16_t)(x.bits << 8)}); }
 
 template <typename T> T ja_from_float(float f);
 template <> inline float ja_from_float<float>(float f) { return f; }

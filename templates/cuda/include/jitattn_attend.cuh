@@ -76,14 +76,14 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
                                      : SCALED ? Variant::OUTER_SCALE * LOG2E : LOG2E;
   // the exponent's factor of what s holds (LIN_Y: raw products, exp_scale's units times sm_scale)
   const float y_scale = LIN_Y ? score_scale * exp_scale : exp_scale;
-  // An fp8 KV cache is copied as it is into the stages. Decode (FP8_REGS) converts it in
-  // registers straight into the mma's B fragments: each lane reads the bytes of its fragments
-  // with 16-byte loads, in a column order permuted so that they are contiguous (the same
-  // permutation applied to Q's columns leaves Q K^T unchanged; applied to V's columns it
-  // permutes O's, which the store undoes). Prefill, and RoPE variants (which rotate K in
-  // shared memory), dequantize a tile at a time into one 16-bit K/V tile that ldmatrix reads.
-  // A 16-bit cache is copied straight into the 16-bit stages (the staged tiles are the
-  // 16-bit tiles).
+  // An fp8 KV cache (e4m3 or e5m2, told apart by KVType: ja_fp8x2_to) is copied as it is into
+  // the stages. Decode (FP8_REGS) converts it in registers straight into the mma's B
+  // fragments: each lane reads the bytes of its fragments with 16-byte loads, in a column
+  // order permuted so that they are contiguous (the same permutation applied to Q's columns
+  // leaves Q K^T unchanged; applied to V's columns it permutes O's, which the store undoes).
+  // Prefill, and RoPE variants (which rotate K in shared memory), dequantize a tile at a time
+  // into one 16-bit K/V tile that ldmatrix reads. A 16-bit cache is copied straight into the
+  // 16-bit stages (the staged tiles are the 16-bit tiles).
   constexpr bool KV_FP8 = sizeof(KVType) == 1;
   constexpr bool FP8_REGS = KV_FP8 && SPLIT_KEYS && Variant::ROPE == 0;
   constexpr bool FP8_TILE = KV_FP8 && !FP8_REGS;
@@ -403,8 +403,8 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
         unsigned y[8];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          y[2 * e] = ja_e4m3x2_to<DType>((unsigned short)(w[e] & 0xffffu));
-          y[2 * e + 1] = ja_e4m3x2_to<DType>((unsigned short)(w[e] >> 16));
+          y[2 * e] = ja_fp8x2_to<DType, KVType>((unsigned short)(w[e] & 0xffffu));
+          y[2 * e + 1] = ja_fp8x2_to<DType, KVType>((unsigned short)(w[e] >> 16));
         }
         uint4* dst = reinterpret_cast<uint4*>(kv_s + r * ROW + col);
         dst[0] = make_uint4(y[0], y[1], y[2], y[3]);
@@ -605,9 +605,10 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
             } else {
               q_frag_permuted(kk, qa);
             }
-            const unsigned kb[4] = {
-                ja_e4m3x2_to<DType>(kw[0][kk] & 0xffffu), ja_e4m3x2_to<DType>(kw[0][kk] >> 16),
-                ja_e4m3x2_to<DType>(kw[1][kk] & 0xffffu), ja_e4m3x2_to<DType>(kw[1][kk] >> 16)};
+            const unsigned kb[4] = {ja_fp8x2_to<DType, KVType>(kw[0][kk] & 0xffffu),
+                                    ja_fp8x2_to<DType, KVType>(kw[0][kk] >> 16),
+                                    ja_fp8x2_to<DType, KVType>(kw[1][kk] & 0xffffu),
+                                    ja_fp8x2_to<DType, KVType>(kw[1][kk] >> 16)};
             mma_16816_x2<DType>(s[0][2 * nb2], s[0][2 * nb2 + 1], qa, kb);
           }
         }
@@ -829,10 +830,10 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
               const unsigned lo = __byte_perm(vw[0][wd], vw[1][wd], sel);
               const unsigned hi = __byte_perm(vw[2][wd], vw[3][wd], sel);
               const int n = 4 * wd + 2 * hh;
-              mma_16816<DType>(o[0][n], pa, ja_e4m3x2_to<DType>(lo & 0xffffu),
-                               ja_e4m3x2_to<DType>(hi & 0xffffu));
-              mma_16816<DType>(o[0][n + 1], pa, ja_e4m3x2_to<DType>(lo >> 16),
-                               ja_e4m3x2_to<DType>(hi >> 16));
+              mma_16816<DType>(o[0][n], pa, ja_fp8x2_to<DType, KVType>(lo & 0xffffu),
+                               ja_fp8x2_to<DType, KVType>(hi & 0xffffu));
+              mma_16816<DType>(o[0][n + 1], pa, ja_fp8x2_to<DType, KVType>(lo >> 16),
+                               ja_fp8x2_to<DType, KVType>(hi >> 16));
             }
         }
       }

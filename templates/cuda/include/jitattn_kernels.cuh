@@ -24,7 +24,7 @@ template <typename DType, typename KVType = DType>
 struct Args {
   const DType* q;  // [total_q, num_qo_heads, HEAD_DIM], strides (q_stride_n, q_stride_h, 1)
   const KVType* k; // ragged [total_kv, Hkv, D] or paged (NHD / HND), addressed through k_layout;
-  const KVType* v; // DType, or fp8 e4m3 (dequantized to DType in shared memory)
+  const KVType* v; // DType, or fp8 e4m3 / e5m2 (dequantized to DType on load)
   DType* o;        // [total_q, num_qo_heads, HEAD_DIM], contiguous
   float* lse;      // [total_q, num_qo_heads], natural log; nullptr: not stored
   const int* qo_indptr;  // [batch + 1] or nullptr (single request or planned)
