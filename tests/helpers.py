@@ -110,11 +110,86 @@ def every_feature_variant(device):
     return variant, {"cap": 20.0, "slopes": ja.alibi_slopes(8).to(device)}
 
 
-def quantize_fp8(cache, scale: float):
-    """An fp8 e4m3 copy of a 16-bit cache tensor (values / scale) and its exact dequantized
-    values (fp8 * scale) in the cache's dtype; scale a power of two keeps that exact."""
-    fp8 = (cache.float() / scale).to(torch.float8_e4m3fn)
+def quantize_fp8(cache, scale: float, fp8_dtype=torch.float8_e4m3fn):
+    """An fp8 copy (fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2) of a 16-bit cache
+    tensor (values / scale) and its exact dequantized values (fp8 * scale) in the cache's dtype;
+    scale a power of two keeps that exact."""
+    fp8 = (cache.float() / scale).to(fp8_dtype)
     return fp8, (fp8.float() * scale).to(cache.dtype)
+
+
+def fp8_across_range(shape, fp8_dtype, gen):
+    """Random fp8 values of fp8_dtype, never zero, of either sign, with magnitudes log-uniform
+    from the format's smallest subnormal to its largest finite value (e5m2: 2**-16 .. 57344,
+    e4m3: 2**-9 .. 448); every row ([..., D]) begins with the smallest and largest subnormal,
+    the smallest normal and the largest finite value (signs -, +, -, +)."""
+    info = torch.finfo(fp8_dtype)
+    tiny = info.smallest_normal * info.eps  # the smallest subnormal
+    lo, hi = math.log2(tiny), math.log2(info.max)
+    mag = torch.exp2(lo + (hi - lo) * torch.rand(*shape, generator=gen, dtype=torch.float64))
+    sign = torch.randint(0, 2, shape, generator=gen) * 2 - 1
+    x = (sign * mag).float()
+    x[..., :4] = torch.tensor([-tiny, info.smallest_normal - tiny, -info.smallest_normal,
+                               info.max])
+    return x.to(fp8_dtype)
+
+
+def check_fp8_every_byte(device, fp8_dtype, dtype, kind):
+    """One query over one key whose V holds every fp8 bit pattern (head_dim 128, 2 KV heads,
+    GQA 2): the output is v_scale (0.5) x V's values exactly, as torch's own
+    ``.to(torch.float32)`` gives them (subnormals, e5m2's infinities and both formats' NaNs
+    included); K random and finite. kind: "decode" (BatchDecode), "prefill" / "short"
+    (BatchPrefill's query_tile "long" / "short")."""
+    gen = torch.Generator().manual_seed(31)
+    v8 = torch.arange(256, dtype=torch.uint8).view(fp8_dtype).reshape(1, 1, 2, 128)
+    k8 = torch.randn(1, 1, 2, 128, generator=gen).to(fp8_dtype)
+    q = torch.randn(1, 4, 128, generator=gen).to(dtype)
+    i32 = dict(dtype=torch.int32)
+    kv_indptr, kv_indices, last = (torch.tensor(x, **i32) for x in ([0, 1], [0], [1]))
+    variant = ja.Variant("fp8_bytes", mask="causal")
+    if kind == "decode":
+        w = ja.BatchDecode(variant, page_size=1, device=device)
+        w.plan(kv_indptr, kv_indices, last, 4, 2, 128, q_dtype=dtype, kv_dtype=fp8_dtype)
+    else:
+        w = ja.BatchPrefill(variant, page_size=1, device=device,
+                            query_tile="short" if kind == "short" else "long")
+        w.plan(torch.tensor([0, 1], **i32), kv_indptr, kv_indices, last, 4, 2, 128,
+               q_dtype=dtype, kv_dtype=fp8_dtype)
+    out = w.run(q.to(device), (k8.to(device), v8.to(device)), v_scale=0.5)
+    expected = (v8.to(torch.float32) * 0.5).to(dtype)[0, 0].repeat_interleave(2, dim=0)
+    torch.testing.assert_close(out[0].cpu(), expected, rtol=0, atol=0, equal_nan=True)
+
+
+def check_fp8_across_range(device, fp8_dtype, dtype, kind):
+    """Decode or prefill (kind as check_fp8_every_byte's) over fp8 K/V spanning the format's
+    whole range (fp8_across_range: subnormals to the largest finite value), scaled by powers of
+    two that bring the largest into [8, 16) (K) and [4, 8) (V), against the reference over the
+    exact dequantized values (float32)."""
+    kv_lens = [1, 300, 77, 0, 129]
+    qo_lens = [1] * 5 if kind == "decode" else [1, 3, 2, 0, 4] if kind == "short" \
+        else [1, 40, 5, 0, 129]
+    # the page table, and the pages' shape for the fp8 caches
+    (k, _), kv_indptr, kv_indices, last = make_paged(kv_lens, 2, 128, 16, "NHD", dtype, "cpu",
+                                                     seed=32)
+    gen = torch.Generator().manual_seed(33)
+    k8, v8 = (fp8_across_range(k.shape, fp8_dtype, gen) for _ in range(2))
+    top = math.floor(math.log2(torch.finfo(fp8_dtype).max))
+    scales = dict(k_scale=2.0 ** (3 - top), v_scale=2.0 ** (2 - top))
+    ref = (k8.float() * scales["k_scale"], v8.float() * scales["v_scale"])
+    q, *_ = make_batch(qo_lens, kv_lens, 8, 2, 128, dtype, device, seed=34)
+    qo_indptr = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()], dtype=torch.int32)
+    variant = ja.Variant("fp8_range", mask="causal")
+    if kind == "decode":
+        w = ja.BatchDecode(variant, page_size=16, device=device)
+        w.plan(kv_indptr, kv_indices, last, 8, 2, 128, q_dtype=dtype, kv_dtype=fp8_dtype)
+    else:
+        w = ja.BatchPrefill(variant, page_size=16, device=device,
+                            query_tile="short" if kind == "short" else "long")
+        w.plan(qo_indptr, kv_indptr, kv_indices, last, 8, 2, 128, q_dtype=dtype,
+               kv_dtype=fp8_dtype)
+    check_batch(w, variant, {}, q, (k8.to(device), v8.to(device)), qo_indptr, kv_indptr,
+                kv_indices, last, "NHD", ref_kv_cache=tuple(c.to(device) for c in ref),
+                scales=scales)
 
 
 def check_linear_partition(kind: str, device: str, monkeypatch) -> None:
@@ -147,12 +222,14 @@ def check_linear_partition(kind: str, device: str, monkeypatch) -> None:
 
 
 def check_shared_prefix_batch(variant, params, device, dtype, hq, hkv, head_dim, requests,
-                              prefix_lens, seed, split_kv=True, fp8_scale=None):
+                              prefix_lens, seed, split_kv=True, fp8_scale=None,
+                              fp8_dtype=torch.float8_e4m3fn):
     """A ragged batch whose requests read shared prefixes (plan(shared_prefix_start=,
     shared_prefix_len=)) against the reference over each request's keys gathered into one run.
     requests: (prefix: an index into prefix_lens or None, q_len, own_len) per request. k / v
     hold the own runs first (kv_indptr), then two junk rows and each prefix. fp8_scale: run
-    over an fp8 e4m3 copy of k / v with that scale (the reference over its exact values)."""
+    over an fp8 copy of k / v (of fp8_dtype) with that scale (the reference over its exact
+    values)."""
     gen = torch.Generator().manual_seed(seed)
     own = [n for _, _, n in requests]
     n_own = sum(own)
@@ -171,7 +248,7 @@ def check_shared_prefix_batch(variant, params, device, dtype, hq, hkv, head_dim,
     lens = torch.tensor([0 if p is None else prefix_lens[p] for p, _, _ in requests], **i32)
     cache, scales = (k, v), {}
     if fp8_scale is not None:
-        (k8, k), (v8, v) = quantize_fp8(k, fp8_scale), quantize_fp8(v, fp8_scale)
+        (k8, k), (v8, v) = (quantize_fp8(c, fp8_scale, fp8_dtype) for c in (k, v))
         cache, scales = (k8, v8), dict(k_scale=fp8_scale, v_scale=fp8_scale)
     w = ja.BatchPrefill(variant, kv_layout="ragged", device=device, split_kv=split_kv)
     w.plan(qo_indptr, kv_indptr, None, None, hq, hkv, head_dim, q_dtype=dtype,

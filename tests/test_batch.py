@@ -552,11 +552,13 @@ def test_ragged_shared_prefixes_match_reference(split_kv, keep_splits):
                               split_kv=split_kv)
 
 
-def test_ragged_shared_prefixes_over_an_fp8_cache():
-    """Shared prefixes over fp8 e4m3 K/V (dequantized on load, scales folded in)."""
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_ragged_shared_prefixes_over_an_fp8_cache(fp8):
+    """Shared prefixes over fp8 K/V, e4m3 or e5m2 (dequantized on load, scales folded in)."""
     requests = [(0, 5, 7), (None, 9, 30), (0, 140, 150), (0, 1, 0)]
     check_shared_prefix_batch(ja.Variant("c", mask="causal"), {}, "cpu", torch.bfloat16, 8, 2,
-                              128, requests, prefix_lens=[131], seed=9, fp8_scale=0.5)
+                              128, requests, prefix_lens=[131], seed=9, fp8_scale=0.5,
+                              fp8_dtype=fp8)
 
 
 def test_shared_prefixes_are_checked():

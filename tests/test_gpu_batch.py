@@ -1,6 +1,6 @@
 """BatchPrefill / BatchDecode on the GPU (``pytest -m gpu``): every built-in variant x fp16/bf16
 x NHD/HND x page sizes 1 and 16 against the reference; determinism; CUDA-graph replay across
-plans with different lengths; fp8 e4m3 KV caches."""
+plans with different lengths; fp8 KV caches, e4m3 and e5m2."""
 
 import pytest
 import torch
@@ -8,12 +8,14 @@ import torch
 import jitattn as ja
 from jitattn import catalog, launch, reference
 
-from helpers import (TOL, check, check_batch, check_linear_partition, check_out_is_q,
-                     check_shared_prefix_batch, compare, every_feature_variant, make_batch,
-                     make_paged, quantize_fp8)
+from helpers import (TOL, check, check_batch, check_fp8_across_range, check_fp8_every_byte,
+                     check_linear_partition, check_out_is_q, check_shared_prefix_batch, compare,
+                     every_feature_variant, make_batch, make_paged, quantize_fp8)
 
 pytestmark = pytest.mark.gpu
 BUILTIN = catalog.builtin()
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_IDS = ["e4m3", "e5m2"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -323,11 +325,12 @@ def test_reduce_overhead_compile_replays_cuda_graphs_across_plans():
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("layout, page_size", [("NHD", 16), ("HND", 1), ("NHD", 3)])
-def test_fp8_kv_cache_matches_reference(dtype, layout, page_size):
-    """fp8 e4m3 K/V (scales 0.5 / 2.0) against the reference over the dequantized cache, for
-    decode and prefill, every head_dim, a soft-cap variant."""
+def test_fp8_kv_cache_matches_reference(dtype, layout, page_size, fp8):
+    """fp8 K/V, e4m3 or e5m2 (scales 0.5 / 2.0), against the reference over the dequantized
+    cache, for decode and prefill, every head_dim, a soft-cap variant."""
     variant = ja.Variant("fp8_softcap", mask="causal", score_mod=ja.soft_cap(30.0))
     scales = dict(k_scale=0.5, v_scale=2.0)
     for head_dim, (hq, hkv) in ((128, (32, 8)), (64, (7, 1)), (256, (4, 4)), (32, (12, 12))):
@@ -337,44 +340,60 @@ def test_fp8_kv_cache_matches_reference(dtype, layout, page_size):
                                 "short": ([0, 1, 3, 4, 2], [5, 600, 3, 130, 2000])}[kind]
             cache, kv_indptr, kv_indices, last = make_paged(kv_lens, hkv, head_dim, page_size,
                                                             layout, dtype, "cuda", seed=head_dim)
-            (k8, k_ref), (v8, v_ref) = (quantize_fp8(c, scales[n]) for c, n in
+            (k8, k_ref), (v8, v_ref) = (quantize_fp8(c, scales[n], fp8) for c, n in
                                         zip(cache, ("k_scale", "v_scale")))
             q, *_ = make_batch(qo_lens, kv_lens, hq, hkv, head_dim, dtype, "cuda", seed=3)
             qo_indptr = _cumsum(qo_lens)
             if kind == "decode":
                 w = ja.BatchDecode(variant, page_size=page_size, kv_layout=layout)
                 w.plan(kv_indptr, kv_indices, last, hq, hkv, head_dim, q_dtype=dtype,
-                       kv_dtype=torch.float8_e4m3fn)
+                       kv_dtype=fp8)
             else:
                 w = ja.BatchPrefill(variant, page_size=page_size, kv_layout=layout,
                                     query_tile="short" if kind == "short" else "long")
                 w.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hkv, head_dim,
-                       q_dtype=dtype, kv_dtype=torch.float8_e4m3fn)
+                       q_dtype=dtype, kv_dtype=fp8)
             check_batch(w, variant, {}, q, (k8, v8), qo_indptr, kv_indptr, kv_indices, last,
                         layout, ref_kv_cache=(k_ref, v_ref), scales=scales)
 
 
 def test_fp8_kv_with_rope_beside_the_16_bit_kernel():
     """One variant (fused RoPE, runtime parameters, window, mask_mod) over a 16-bit cache and
-    over its fp8 copy in one process: two kernels, each right (RoPE rotates the dequantized
-    K tile)."""
+    over its fp8 copies, e4m3 and e5m2, in one process: three kernels, each right (RoPE rotates
+    the dequantized K tile)."""
     variant, params = every_feature_variant("cuda")
     kv_lens, scales = [1, 900, 0, 77, 300], dict(k_scale=0.25, v_scale=4.0)
     cache, kv_indptr, kv_indices, last = make_paged(kv_lens, 2, 64, 16, "NHD", torch.float16,
                                                     "cuda", seed=21)
-    (k8, k_ref), (v8, v_ref) = (quantize_fp8(c, scales[n]) for c, n in
-                                zip(cache, ("k_scale", "v_scale")))
     q, *_ = make_batch([1] * len(kv_lens), kv_lens, 8, 2, 64, torch.float16, "cuda", seed=22)
     qo_indptr = _cumsum([1] * len(kv_lens))
-    for kv_dtype in (torch.float16, torch.float8_e4m3fn):
+    for kv_dtype in (torch.float16, *FP8):
         w = ja.BatchDecode(variant, page_size=16)
         w.plan(kv_indptr, kv_indices, last, 8, 2, 64, kv_dtype=kv_dtype)
         if kv_dtype == torch.float16:
             check_batch(w, variant, params, q, cache, qo_indptr, kv_indptr, kv_indices, last,
                         "NHD")
         else:
+            (k8, k_ref), (v8, v_ref) = (quantize_fp8(c, scales[n], kv_dtype) for c, n in
+                                        zip(cache, ("k_scale", "v_scale")))
             check_batch(w, variant, params, q, (k8, v8), qo_indptr, kv_indptr, kv_indices,
                         last, "NHD", ref_kv_cache=(k_ref, v_ref), scales=scales)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "short"])
+def test_fp8_kv_dequantizes_every_byte_exactly_gpu(fp8, dtype, kind):
+    """Every fp8 bit pattern through the decode kernel's register conversion and the prefill
+    kernel's dequantized tile (helpers.check_fp8_every_byte)."""
+    check_fp8_every_byte("cuda", fp8, dtype, kind)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "short"])
+def test_fp8_kv_across_the_formats_range_gpu(fp8, dtype, kind):
+    check_fp8_across_range("cuda", fp8, dtype, kind)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

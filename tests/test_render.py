@@ -46,7 +46,7 @@ REPRESENTATIVE = [("softcap", "prefill", "f16", 128), ("alibi", "decode", "bf16"
                   ("rope_llama", "prefill", "bf16", 256), ("document_mask", "decode", "f16", 256),
                   ("relative_position_bias", "prefill", "f16", 64),
                   ("sigmoid", "prefill", "bf16", 128), ("prefix_lm", "decode", "f16", 128)]
-# fp8 e4m3 KV caches: (variant, kind, q dtype, head_dim)
+# fp8 KV caches, e4m3 and e5m2: (variant, kind, q dtype, head_dim)
 FP8_KV = [("softcap", "decode", "f16", 128), ("alibi", "prefill", "bf16", 128),
           ("sigmoid", "decode", "bf16", 256), ("rope_llama", "prefill", "f16", 32)]
 
@@ -59,7 +59,7 @@ WGMMA = [("softcap", "prefill", "f16", 128), ("document_mask", "prefill", "bf16"
 @needs_nvcc
 @pytest.mark.parametrize("name, kind, dtype_tag, head_dim, kv_tag, arch",
                          [r + (None, None) for r in REPRESENTATIVE] +
-                         [r + ("e4m3", None) for r in FP8_KV] +
+                         [r + (fp8, None) for fp8 in ("e4m3", "e5m2") for r in FP8_KV] +
                          [r + (None, "sm_90a") for r in WGMMA])
 def test_nvcc_compiles_sm90a(name, kind, dtype_tag, head_dim, kv_tag, arch):
     src = render.render_cuda(_example(name), kind=kind, dtype_tag=dtype_tag, head_dim=head_dim,
@@ -68,6 +68,27 @@ def test_nvcc_compiles_sm90a(name, kind, dtype_tag, head_dim, kv_tag, arch):
     path, _ = jit.compile_cached(src, "sm_90a")
     assert path.stat().st_size > 1000
     assert path.read_bytes()[:4] == b"\x7fELF"  # a cubin is an ELF image
+
+
+def test_fp8_kv_builds_are_their_own_kernels_and_cpu_entries():
+    """Each fp8 format is a KV type of its own (the kernels choose its conversion at compile
+    time), named and cached apart; the CPU library has an entry per q x KV dtype; other KV
+    dtypes are refused, naming the accepted ones."""
+    v = _example("softcap")
+    srcs = {kv: render.render_cuda(v, kind="decode", dtype_tag="bf16", head_dim=128, kv_tag=kv)
+            for kv in ("bf16", "e4m3", "e5m2")}
+    assert "using KVType = __nv_fp8_storage_t;" in srcs["e4m3"].code
+    assert "using KVType = ja_e5m2;" in srcs["e5m2"].code
+    assert [s.name.split("-decode-")[1] for s in srcs.values()] == \
+        ["bf16-d128", "bf16-kv_e4m3-d128", "bf16-kv_e5m2-d128"]
+    assert [s.kv_fp8 for s in srcs.values()] == [False, True, True]
+    assert srcs["e4m3"].smem_bytes() == srcs["e5m2"].smem_bytes() < srcs["bf16"].smem_bytes()
+    assert render.render_cpu(v, head_dim=64).entries == tuple(
+        f"jitattn_attention_{q}{kv}" for q in ("f16", "bf16")
+        for kv in ("", "_kv_e4m3", "_kv_e5m2"))
+    with pytest.raises(ValueError, match=r"KV dtype 'f16': expected 'bf16' \(q's\), 'e4m3' or "
+                                         r"'e5m2'"):
+        render.render_cuda(v, kind="decode", dtype_tag="bf16", head_dim=128, kv_tag="f16")
 
 
 @needs_nvcc
