@@ -16,7 +16,7 @@ import time
 
 from filelock import Timeout
 
-from . import __version__, build, env, load, render
+from . import __version__, build, dtypes, env, load, render
 from .cache import Cache, fallback_root, recorded_sha256
 from .render import RenderedSource
 from .spec import Variant
@@ -173,13 +173,15 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
                dtype_tag: str = "f16", device_index: int = 0, kv_tag: str | None = None,
                shared_kv: bool = False):
     """A loaded kernel for this specialisation (CudaKernel or CpuKernel), memoised. kv_tag:
-    the KV cache's dtype tag when it differs from dtype_tag ("e4m3", "e5m2"). shared_kv: the
-    CUDA kernel for ragged keys with shared prefixes (render.render_cuda; the CPU backend
-    reads them in every build)."""
+    the KV cache's dtype tag when it differs from dtype_tag ("e4m3", "e5m2"); on the CPU only
+    whether it is fp8 picks the library (render.render_cpu: its entries cover both q dtypes).
+    shared_kv: the CUDA kernel for ragged keys with shared prefixes (render.render_cuda; the
+    CPU backend reads them in every build)."""
     kv_tag = kv_tag or dtype_tag
+    kv_fp8 = kv_tag in dtypes.FP8_TAGS
     # the tiles follow from the rest (render.tiles_for_variant of the device's arch), so the
     # key leaves them out: a warm call builds nothing
-    memo_key = (variant.key, backend, head_dim) if backend == "cpu" else (
+    memo_key = (variant.key, backend, head_dim, kv_fp8) if backend == "cpu" else (
         variant.key, backend, kind, dtype_tag, kv_tag, head_dim, device_index, shared_kv)
     kernel = _MEMO.get(memo_key)
     if kernel is not None:
@@ -187,7 +189,7 @@ def get_kernel(variant: Variant, *, backend: str, head_dim: int, kind: str = "pr
     arch = device_arch(device_index) if backend != "cpu" else None
     tiles = render.tiles_for_variant(variant, kind, head_dim, arch=arch, kv_tag=kv_tag)
     if backend == "cpu":
-        src = render.render_cpu(variant, head_dim=head_dim)
+        src = render.render_cpu(variant, head_dim=head_dim, kv_fp8=kv_fp8)
         kernel = _built_and_loaded(src, None, lambda path: load.load_cpu(path, src))
     else:
         src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag, head_dim=head_dim,

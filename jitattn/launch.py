@@ -305,7 +305,8 @@ def run_attention(q, kv: KVView, out, lse, variant, bound, *, num_kv_heads: int,
                         q.shape[1], num_kv_heads, kv.kv_indices, kv.page_size)
     tag, kv_tag = dtypes.tag(q.dtype), dtypes.kv_tag(kv.k.dtype)
     if q.device.type == "cpu":
-        launcher = Launcher(jit.get_kernel(variant, backend="cpu", head_dim=head_dim),
+        launcher = Launcher(jit.get_kernel(variant, backend="cpu", head_dim=head_dim,
+                                           kv_tag=kv_tag),
                             _attention_kinds(variant), fixed, entry=render.cpu_entry(tag, kv_tag))
     else:
         index = device_index(q)

@@ -283,21 +283,22 @@ def cpu_entry(q_tag: str, kv_tag: str) -> str:
     return f"jitattn_attention_{q_tag}" + ("" if kv_tag == q_tag else f"_kv_{kv_tag}")
 
 
-def render_cpu(variant: Variant, *, head_dim: int) -> RenderedSource:
+def render_cpu(variant: Variant, *, head_dim: int, kv_fp8: bool = False) -> RenderedSource:
     """C++/OpenMP source of the CPU backend: one library with an entry point per q dtype (fp16,
-    bf16) and KV-cache dtype (q's own, fp8 e4m3, fp8 e5m2)."""
+    bf16) and KV-cache dtype: q's own, or with kv_fp8 fp8 e4m3 and e5m2 (a library of their
+    own: each entry is an instantiation of the whole kernel, so one with all six took g++ 2.2
+    s where two take about a third of that)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim}: expected one of {HEAD_DIMS}")
     decls, names = _param_decls(variant, "cpu")
-    # q/o dtype x KV dtype: the cache in q's dtype, or fp8 (e4m3, e5m2)
     entries = tuple((cpu_entry(q, kv), dtypes.CTYPE["cpu"][q], dtypes.CTYPE["cpu"][kv])
-                    for q in ("f16", "bf16") for kv in (q, *dtypes.FP8_TAGS))
+                    for q in ("f16", "bf16") for kv in (dtypes.FP8_TAGS if kv_fp8 else (q,)))
     code = _environment().get_template("cpu/attention.cpp.j2").render(
         version=__version__, variant=variant, head_dim=head_dim, param_args=decls,
         param_names=names, entries=entries,
         variant_code=render_variant(variant, backend="cpu", head_dim=head_dim))
     return RenderedSource(
-        code=code, lang="cpp", name=f"{variant.key}-cpu-d{head_dim}",
+        code=code, lang="cpp", name=f"{variant.key}-cpu{'-kv_fp8' if kv_fp8 else ''}-d{head_dim}",
         entries=tuple(e for e, _, _ in entries), include_dirs=_include_dirs("cpu"),
         headers_digest=_headers_digest("cpu"), hooks=_hook_lines(code, variant), kind="cpu",
         head_dim=head_dim)

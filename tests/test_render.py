@@ -83,9 +83,12 @@ def test_fp8_kv_builds_are_their_own_kernels_and_cpu_entries():
         ["bf16-d128", "bf16-kv_e4m3-d128", "bf16-kv_e5m2-d128"]
     assert [s.kv_fp8 for s in srcs.values()] == [False, True, True]
     assert srcs["e4m3"].smem_bytes() == srcs["e5m2"].smem_bytes() < srcs["bf16"].smem_bytes()
-    assert render.render_cpu(v, head_dim=64).entries == tuple(
-        f"jitattn_attention_{q}{kv}" for q in ("f16", "bf16")
-        for kv in ("", "_kv_e4m3", "_kv_e5m2"))
+    assert render.render_cpu(v, head_dim=64).entries == ("jitattn_attention_f16",
+                                                         "jitattn_attention_bf16")
+    fp8 = render.render_cpu(v, head_dim=64, kv_fp8=True)
+    assert fp8.entries == tuple(f"jitattn_attention_{q}_kv_{kv}" for q in ("f16", "bf16")
+                                for kv in ("e4m3", "e5m2"))
+    assert fp8.name.endswith("-cpu-kv_fp8-d64")
     with pytest.raises(ValueError, match=r"KV dtype 'f16': expected 'bf16' \(q's\), 'e4m3' or "
                                          r"'e5m2'"):
         render.render_cuda(v, kind="decode", dtype_tag="bf16", head_dim=128, kv_tag="f16")
