@@ -146,18 +146,28 @@ def check_fp8_every_byte(device, fp8_dtype, dtype, kind):
     q = torch.randn(1, 4, 128, generator=gen).to(dtype)
     i32 = dict(dtype=torch.int32)
     kv_indptr, kv_indices, last = (torch.tensor(x, **i32) for x in ([0, 1], [0], [1]))
-    variant = ja.Variant("fp8_bytes", mask="causal")
-    if kind == "decode":
-        w = ja.BatchDecode(variant, page_size=1, device=device)
-        w.plan(kv_indptr, kv_indices, last, 4, 2, 128, q_dtype=dtype, kv_dtype=fp8_dtype)
-    else:
-        w = ja.BatchPrefill(variant, page_size=1, device=device,
-                            query_tile="short" if kind == "short" else "long")
-        w.plan(torch.tensor([0, 1], **i32), kv_indptr, kv_indices, last, 4, 2, 128,
-               q_dtype=dtype, kv_dtype=fp8_dtype)
+    w = _fp8_wrapper(kind, ja.Variant("fp8_bytes", mask="causal"), 1, device,
+                     (torch.tensor([0, 1], **i32), kv_indptr, kv_indices, last, 4), dtype,
+                     fp8_dtype)
     out = w.run(q.to(device), (k8.to(device), v8.to(device)), v_scale=0.5)
     expected = (v8.to(torch.float32) * 0.5).to(dtype)[0, 0].repeat_interleave(2, dim=0)
     torch.testing.assert_close(out[0].cpu(), expected, rtol=0, atol=0, equal_nan=True)
+
+
+def _fp8_wrapper(kind, variant, page_size, device, table, dtype, fp8_dtype):
+    """BatchDecode (kind "decode") or BatchPrefill on query tiles "long" ("prefill") / "short",
+    planned over the page table (qo_indptr, kv_indptr, kv_indices, last, num_qo_heads) with 2
+    KV heads of 128 and an fp8 cache."""
+    qo_indptr, kv_indptr, kv_indices, last, heads = table
+    if kind == "decode":
+        w = ja.BatchDecode(variant, page_size=page_size, device=device)
+        w.plan(kv_indptr, kv_indices, last, heads, 2, 128, q_dtype=dtype, kv_dtype=fp8_dtype)
+    else:
+        w = ja.BatchPrefill(variant, page_size=page_size, device=device,
+                            query_tile="short" if kind == "short" else "long")
+        w.plan(qo_indptr, kv_indptr, kv_indices, last, heads, 2, 128, q_dtype=dtype,
+               kv_dtype=fp8_dtype)
+    return w
 
 
 def check_fp8_across_range(device, fp8_dtype, dtype, kind):
@@ -179,14 +189,8 @@ def check_fp8_across_range(device, fp8_dtype, dtype, kind):
     q, *_ = make_batch(qo_lens, kv_lens, 8, 2, 128, dtype, device, seed=34)
     qo_indptr = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()], dtype=torch.int32)
     variant = ja.Variant("fp8_range", mask="causal")
-    if kind == "decode":
-        w = ja.BatchDecode(variant, page_size=16, device=device)
-        w.plan(kv_indptr, kv_indices, last, 8, 2, 128, q_dtype=dtype, kv_dtype=fp8_dtype)
-    else:
-        w = ja.BatchPrefill(variant, page_size=16, device=device,
-                            query_tile="short" if kind == "short" else "long")
-        w.plan(qo_indptr, kv_indptr, kv_indices, last, 8, 2, 128, q_dtype=dtype,
-               kv_dtype=fp8_dtype)
+    w = _fp8_wrapper(kind, variant, 16, device, (qo_indptr, kv_indptr, kv_indices, last, 8),
+                     dtype, fp8_dtype)
     check_batch(w, variant, {}, q, (k8.to(device), v8.to(device)), qo_indptr, kv_indptr,
                 kv_indices, last, "NHD", ref_kv_cache=tuple(c.to(device) for c in ref),
                 scales=scales)
