@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import dtypes
 from .dsl import SYMBOLS, Expr, SpecError, _lift
-from .emit import emit_cpp
+from .emit import emit_cpp, int_range
 from .params import TensorParam
 
 
@@ -251,21 +251,31 @@ _NEGATED = {"-": "+", "0": "0", "+": "-"}
 def _signs(e: Expr) -> frozenset:
     """The signs ("-", "0", "+") a factor or divisor of an infinity can take: a constant's
     own; a bool expression's 0 and + (torch and the kernels multiply it as 0 / 1: inf *
-    (kv_idx > q_idx) is NaN where the comparison is false); an int expression's and the
-    score's every sign; a parameter or table read (a temperature, a scale), exp and sigmoid
-    positive; arithmetic, where(), min / max and tanh by their operands' signs (so
-    (1 - keep[kv_idx]) * -inf, HF's additive mask, can be 0 * -inf: NaN)."""
+    (kv_idx > q_idx) is NaN where the comparison is false); an int expression's by its range
+    (emit.int_range: h + 1 is positive), else every sign; the score's every sign; a scalar
+    parameter (a temperature), exp and sigmoid positive; a float table read 0 or positive (a
+    table of 0 / 1 times -inf is NaN where it holds 0); arithmetic, where(), min / max, tanh
+    and ** by their operands' signs (so (1 - keep[kv_idx]) * -inf, HF's additive mask, can be
+    0 * -inf: NaN)."""
     op, a = e.op, e.args
     if op == "const":
         c = float(a[0])
         return frozenset({"-" if c < 0 else "0" if c == 0 else "+"})
     if e.kind == "bool":
         return frozenset({"0", "+"})
-    if e.kind == "int" or op == "sym":
+    if e.kind == "int":
+        r = int_range(e)
+        return _ANY_SIGN if r is None else frozenset(
+            v for v, holds in (("-", r[0] < 0), ("0", r[0] <= 0 <= r[1]), ("+", r[1] > 0)) if holds)
+    if op == "sym":
         return _ANY_SIGN
-    if op in ("scalar", "index", "exp", "sigmoid"):
+    if op in ("scalar", "exp", "sigmoid"):
         return frozenset({"+"})
+    if op == "index":
+        return frozenset({"0", "+"})
     x = [_signs(y) if isinstance(y, Expr) else _ANY_SIGN for y in a]
+    if op == "**":  # (a positive base's powers are positive; 0's are 0 or inf)
+        return x[0] if x[0] <= {"0", "+"} else _ANY_SIGN
     if op in ("where", "min", "max"):
         return frozenset().union(*x[1 if op == "where" else 0:])
     if op in ("neg", "tanh", "tanh_approx"):
@@ -323,8 +333,8 @@ def _nonfinite(e: Expr, memo: dict, constants: set) -> frozenset:
             out = (inf if "+" in signs or "0" in signs and op == "/" else frozenset()) | (
                 _flip(inf) if "-" in signs else frozenset()) | (
                 {_NAN} if "0" in signs and op == "*" else frozenset())
-        elif op == "/" and a[1].op == "const" and float(a[1].args[0]) == 0:
-            constants.add(repr(float(a[1].args[0])))  # (a finite / 0: +-inf, 0 / 0 NaN)
+        elif op in ("/", "//", "%") and a[1].op == "const" and float(a[1].args[0]) == 0:
+            constants.add(repr(float(a[1].args[0])))  # (x / 0: +-inf, 0 / 0 and x % 0 NaN)
             out = frozenset({_POS, _NEG, _NAN})
         elif op == "where":
             out = x[1] | x[2]

@@ -524,12 +524,14 @@ def test_infinite_constants_that_make_a_score_nan_are_refused():
     """A +inf constant in a score_mod (score + inf, torch.where(c, score, inf)) was accepted and
     its rows came out NaN; so were -inf constants made +inf or NaN (a negative factor, * 0,
     inf - inf, a comparison or int as a factor: -inf * (k > q) is NaN where it is false, as in
-    torch; the score or a difference as a factor: HF's additive mask (1 - keep) * -inf) and a
-    division by a constant 0. -inf that hides keys (also through a runtime
+    torch; the score, a difference or a table read as a factor: HF's additive mask (1 - keep)
+    * -inf) and a division (/, //, %) by a constant 0; int factors count by their range (h + 1
+    is positive). -inf that hides keys (also through a runtime
     divisor, a nonzero where() or a comparison as divisor, or negated twice), bounds
     (clamp(max=inf)), comparisons and a sigmoid's +inf (a weight of 1) stay; a NaN constant
     names itself and what is expected."""
     inf, temperature, keep = float("inf"), torch.tensor(0.5), torch.tensor([1.0, 0.0, 1.0])
+    masked = 1.0 - keep
     for fn, text in (
             (lambda s, b, h, q, k: s + inf, r"constant inf can make the score \+inf"),
             (lambda s, b, h, q, k: torch.where(k <= q, s, inf), r"constant inf can make the "
@@ -548,7 +550,11 @@ def test_infinite_constants_that_make_a_score_nan_are_refused():
             (lambda s, b, h, q, k: s / 0.0, r"constant 0.0 can make the score \+inf or NaN"),
             (lambda s, b, h, q, k: s + (1.0 - keep[k]) * -inf, r"constant -inf can make the "
                                                                r"score \+inf or NaN"),
-            (lambda s, b, h, q, k: s * -inf, r"constant -inf can make the score \+inf or NaN")):
+            (lambda s, b, h, q, k: s * -inf, r"constant -inf can make the score \+inf or NaN"),
+            (lambda s, b, h, q, k: s + masked[k % 3] * -inf, r"constant -inf can make the "
+                                                             r"score NaN"),
+            (lambda s, b, h, q, k: s + k // 0.0, r"constant 0.0 can make the score \+inf or "
+                                                 r"NaN")):
         with pytest.raises(SpecError, match=r"score_mod '<lambda>' \(defined at .*test_dsl.py:"
                                             r"\d+\): its " + text + r", which makes the row's "
                                             r"output and lse NaN; expected finite constants "
@@ -570,7 +576,9 @@ def test_infinite_constants_that_make_a_score_nan_are_refused():
                lambda s, b, h, q, k: torch.where(s < inf, s, 0.0),
                lambda s, b, h, q, k: s - inf * torch.where(k > q + 20, 1.0, 2.0),
                lambda s, b, h, q, k: s - inf / (k > q),
-               lambda s, b, h, q, k: torch.where(k <= q, s, -inf) * (1.0 + keep[k % 3])):
+               lambda s, b, h, q, k: torch.where(k <= q, s, -inf) * (1.0 + keep[k % 3]),
+               lambda s, b, h, q, k: torch.where(k <= q, s, -inf) / (h + 1) * 2.0 ** -(h + 1),
+               lambda s, b, h, q, k: torch.where(k <= q, s, -inf) / (keep[k % 3] + 1.0) ** 0.5):
         out = reference.attention(q, k, v, ja.Variant("kept", mask="none", score_mod=fn))
         assert not out.isnan().any()
 
