@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -10,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import __version__, build, catalog, env, jit, render
+from . import __version__, build, catalog, dtypes, env, jit, render
 from .cache import Cache
 from .dsl import SpecError
 
@@ -207,9 +208,11 @@ def _compile(args) -> int:
                                         ("--shared-kv", args.shared_kv)) if given]
     args.kind = args.kind or list(render.KINDS)
     args.dtype = args.dtype or ["f16", "bf16"]
+    args.kv_dtype = args.kv_dtype or ["same"]
     if args.cpu and ignored:
         print(f"jitattn compile --cpu: {' / '.join(ignored)} ignored (one CPU library per "
-              f"head_dim holds every kind and dtype)", file=sys.stderr)
+              f"head_dim holds every kind and q dtype; --kv-dtype picks the 16-bit caches' "
+              f"library and the fp8 caches')", file=sys.stderr)
     arch = args.arch or (jit.device_arch(0) if not args.cpu and _cuda() else "sm_90a")
     try:
         _build_all(variants, args, arch, cache.root)
@@ -244,16 +247,18 @@ def _build_all(variants, args, arch: str, root: Path) -> None:
     for variant in variants:
         print(variant.describe())
         for head_dim in args.head_dim:
-            if args.cpu:
-                report(*jit.compile_cached(render.render_cpu(variant, head_dim=head_dim), None))
+            if args.cpu:  # (one library for 16-bit caches, one for fp8's)
+                for kv_fp8 in sorted({kv != "same" for kv in args.kv_dtype}):
+                    report(*jit.compile_cached(render.render_cpu(variant, head_dim=head_dim,
+                                                                 kv_fp8=kv_fp8), None))
                 continue
-            for kind in args.kind:
-                for dtype_tag in args.dtype:
-                    for shared_kv in (False, True) if args.shared_kv else (False,):
-                        src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag,
-                                                 head_dim=head_dim, arch=arch,
-                                                 shared_kv=shared_kv)
-                        report(*jit.compile_cached(src, arch))
+            for kind, dtype_tag, kv, shared_kv in itertools.product(
+                    args.kind, args.dtype, args.kv_dtype,
+                    (False, True) if args.shared_kv else (False,)):
+                src = render.render_cuda(variant, kind=kind, dtype_tag=dtype_tag,
+                                         head_dim=head_dim, arch=arch, shared_kv=shared_kv,
+                                         kv_tag=None if kv == "same" else kv)
+                report(*jit.compile_cached(src, arch))
 
 
 def _bench(args) -> int:
@@ -315,7 +320,11 @@ def main(argv=None) -> int:
                    help="head dims to build (default: 128)")
     b.add_argument("--dtype", type=_one_of(("f16", "bf16")), nargs="+", metavar="{f16,bf16}",
                    help="CUDA kernels' q dtypes (default: both; the CPU library holds every "
-                   "dtype)")
+                   "q dtype)")
+    b.add_argument("--kv-dtype", type=_one_of(("same", *dtypes.FP8_TAGS)), nargs="+",
+                   metavar="{" + ",".join(("same", *dtypes.FP8_TAGS)) + "}",
+                   help="KV caches' dtypes: 'same' as q (default), or fp8 (the CPU backend "
+                   "builds one library for 16-bit caches and one for fp8's)")
     b.add_argument("--kind", type=_one_of(tuple(render.KINDS)), nargs="+",
                    metavar="{" + ",".join(render.KINDS) + "}",
                    help=f"kernel kinds (default: {' '.join(render.KINDS)})")

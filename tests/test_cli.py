@@ -47,7 +47,13 @@ def test_compile_cpu_then_ls_then_clear(capsys):
     assert cli.main(["compile", variant_file, "--cpu", "--head-dim", "64", "--kind", "decode",
                      "--dtype", "bf16"]) == 0
     assert "jitattn compile --cpu: --kind / --dtype ignored (one CPU library per head_dim " \
-        "holds every kind and dtype)" in capsys.readouterr().err
+        "holds every kind and q dtype; --kv-dtype picks the 16-bit caches' library and the " \
+        "fp8 caches')" in capsys.readouterr().err
+    # fp8 KV caches' library beside the 16-bit one (a prebuilt cache had lacked it)
+    assert cli.main(["compile", variant_file, "--cpu", "--head-dim", "64", "--kv-dtype",
+                     "same", "e5m2"]) == 0
+    out = capsys.readouterr().out
+    assert "cached" in out and "-cpu-kv_fp8-d64" in out and "built" in out
     assert cli.main(["cache", "ls"]) == 0
     assert "softcap50-causal" in capsys.readouterr().out
     assert cli.main(["cache", "clear"]) == 0
@@ -80,6 +86,10 @@ def test_compile_cuda(capsys):
     lines = [x for x in capsys.readouterr().out.splitlines() if "kernel.cubin" in x]
     assert len(lines) == 2 and "shared_kv" in lines[1] and "shared_kv" not in lines[0]
     assert lines[0].lstrip().startswith("cached")  # the plain build from the first command
+    assert cli.main(["compile", variant_file, "--head-dim", "64", "--dtype", "bf16",
+                     "--kind", "decode", "--kv-dtype", "e4m3", "e5m2"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if "kernel.cubin" in x]
+    assert len(lines) == 2 and "-kv_e4m3-" in lines[0] and "-kv_e5m2-" in lines[1]
 
 
 def test_compile_missing_file(capsys):
