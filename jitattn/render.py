@@ -122,13 +122,17 @@ def tiles_for_variant(variant: Variant, kind: str, head_dim: int, *, arch: str |
 
 
 def _score_kv_linear(variant: Variant) -> bool:
-    """Whether the variant's score_mod is the kernels' one-FMA form (emit.kv_linear: ALiBi's
-    score + slope * (kv_idx - q_idx)), whose per-score code leaves the registers of a 192-key
-    tile free: ALiBi 1 x 32 x 16384 ran 2.6% faster on 192-key tiles than on 128 (4 x 32 x 4096
-    unchanged), where exact soft-cap 4 x 32 x 4096 ran 1.7% slower and the window 1024 2-3%
-    slower (H200, docs/performance.md, session 26)."""
+    """Whether the variant's score_mod is ALiBi's one-FMA form (emit.kv_linear: score + slope *
+    (kv_idx - q_idx)) with one row-invariant coefficient and no added term, whose per-score code
+    leaves the registers of a 192-key tile free: ALiBi 1 x 32 x 16384 ran 2.6% faster on
+    192-key tiles than on 128 (4 x 32 x 4096 unchanged), where exact soft-cap 4 x 32 x 4096 ran
+    1.7% slower and the window 1024 2-3% slower (H200, docs/performance.md, session 26). (A
+    coefficient and a term of several row-invariant functions made ptxas spill 104 bytes at
+    192 keys: a review's case.)"""
     score, _ = emit.divisions_as_products(variant.score.expr, None)
-    return emit.kv_linear(score) is not None
+    lin = emit.kv_linear(score)
+    return lin is not None and lin[3] is None and \
+        len(emit.hoist_row_invariants([score])[0]) <= 1
 
 
 @dataclass(frozen=True)

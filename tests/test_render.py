@@ -243,6 +243,9 @@ def test_wide_kv_tiles_only_for_plain_causal_and_full_variants():
     assert tiles(dataclasses.replace(alibi, window_left=64)) == 128
     assert tiles(ja.Variant("s2", mask="causal",  # not linear in kv_idx
                             score_mod=lambda s, b, h, q, k: s + _SLOPES[h] * (k - q) ** 2)) == 128
+    assert tiles(ja.Variant("s3", mask="causal",  # linear, plus a row term (spilled at 192)
+                            score_mod=lambda s, b, h, q, k: s + _SLOPES[h] * (k - q) +
+                            ja.log(_SLOPES[h] + 2.0))) == 128
     assert tiles(ja.Variant("m", mask="custom")) == tiles(ja.Variant("i", mask="multi_item")) \
         == tiles(ja.Variant("s", mask="none", score_mod=lambda s, b, h, q, k: s)) == 128
 
