@@ -274,6 +274,8 @@ def _elf_truncated(data: bytes) -> str | None:
         return None
     phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+    if phnum == 0xffff or phnum and phentsize < 0x28:  # (the count held elsewhere; too short)
+        return None if phnum == 0xffff else f"corrupt: program headers of {phentsize} bytes"
     ends = [phoff + phnum * phentsize, shoff + shnum * shentsize]
     if ends[0] <= len(data):
         for i in range(phnum):  # each segment's file bytes: p_offset, p_filesz

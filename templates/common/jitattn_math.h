@@ -56,7 +56,8 @@ JA_HD float ja_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 JA_HD float ja_pow(float a, float b) { return powf(a, b); }
 // Python's (and torch's) float // and %, from the exact remainder fmodf (CPython's float_divmod,
 // torch's div_floor_floating): floorf(a / b) floored the rounded quotient, so 1 // 0.1f, whose
-// quotient 9.99999985 rounds to 10.0f, gave 10 where Python gives 9. By 0: a / b and NaN, as torch.
+// quotient 9.99999985 rounds to 10.0f, gave 10 where Python gives 9. By 0: a / b and NaN, and
+// a zero remainder keeps a's sign (-2 % 1 is -0.0), as torch (the reference); Python's is +0.0.
 JA_HD float ja_floordivf(float a, float b) {
   if (b == 0.0f) return a / b;
   const float mod = fmodf(a, b);
