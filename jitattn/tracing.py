@@ -424,10 +424,13 @@ def trace(fn, kind: str) -> Traced:
                         f"it out recursively); a sum of many terms fits as a lookup in a "
                         f"ja.tensor table")
     if kind == "mask_mod" and out.kind != "bool":
-        anded = out.op == "*" and all(isinstance(y, Expr) and y.kind == "bool" for y in out.args)
+        def bools(e):  # (a product of comparisons: (a) * (b) * (c))
+            return e.kind == "bool" or e.op == "*" and all(
+                isinstance(y, Expr) and bools(y) for y in e.args)
         raise SpecError(f"{label}: a mask_mod must return a bool expression (a comparison), "
-                        f"got {out.kind}" + ("; a product of two bools is an int in Python "
-                                             "(torch keeps bool): write a & b" if anded else ""))
+                        f"got {out.kind}" + ("; a product of bools is an int in Python (torch "
+                                             "keeps bool): write a & b" if out.op == "*" and
+                                             bools(out) else ""))
     if kind == "score_mod" and out.kind == "bool":
         raise SpecError(f"{label}: a score_mod must return a number, got a bool expression; "
                         "use mask_mod for visibility")

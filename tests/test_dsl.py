@@ -93,9 +93,11 @@ def test_mask_mod_must_return_bool():
     with pytest.raises(SpecError, match=r"must return a bool expression \(a comparison\), got "
                                         r"int$"):
         tracing.trace(lambda b, h, q, k: q - k, "mask_mod")
-    with pytest.raises(SpecError, match=r"got int; a product of two bools is an int in Python "
-                                        r"\(torch keeps bool\): write a & b"):
-        tracing.trace(lambda b, h, q, k: (q >= k) * (k % 2 == 0), "mask_mod")
+    for fn in (lambda b, h, q, k: (q >= k) * (k % 2 == 0),
+               lambda b, h, q, k: (q >= k) * (k % 2 == 0) * (k > 3)):
+        with pytest.raises(SpecError, match=r"got int; a product of bools is an int in Python "
+                                            r"\(torch keeps bool\): write a & b"):
+            tracing.trace(fn, "mask_mod")
 
 
 def test_data_dependent_if_points_to_where():
