@@ -23,7 +23,7 @@ from typing import Callable, Literal
 import numpy as np
 import torch
 
-from . import dsl, tracing
+from . import dsl, nonfinite, tracing
 from .args import int_arg, shown_value
 from .dsl import SpecError
 from .params import ScalarParam, TensorParam
@@ -156,7 +156,7 @@ class Variant:
         exprs = [t.expr for t in (score, mask) if t is not None]
         try:  # (trace bounds the depth; this is for a caller already deep in the stack)
             if score is not None:
-                tracing.refuse_nonfinite(score, self.reduction)
+                nonfinite.refuse_nonfinite(score, self.reduction)
             object.__setattr__(self, "_params", tuple(tracing.params_of(*exprs)))
             object.__setattr__(self, "_key", self._compute_key())
             object.__setattr__(self, "_direct_index", tuple(_direct_indices(*exprs)))
