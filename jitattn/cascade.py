@@ -9,7 +9,7 @@ qo_indptr groups them (a level need not contain every row). Levels other than th
 without a mask (their keys all precede their queries: for a causal variant plan() checks that a
 row they hold has, in its last-level request, at least qo_len - 1 keys of its own); the last
 level uses the variant's own mask. Packing renumbers requests and moves queries to other
-positions, so only variants whose hooks read neither (shared_prefix.layout_features is empty, as
+positions, so only variants whose hooks read neither (variant_layout.layout_features is empty, as
 for its "cascade") are accepted.
 """
 
@@ -27,8 +27,8 @@ from .args import bool_arg, extra_run_args, int_arg, missing_cache, not_a_varian
 from .batch import CAPACITY_NAMES, BatchPrefill, _cache_tensors, page_size_arg
 from .merge import merge_states_into
 from .porting import unexpected_keywords
-from .shared_prefix import layout_features
 from .spec import Variant
+from .variant_layout import layout_features
 
 
 class MultiLevelCascade:

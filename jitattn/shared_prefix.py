@@ -19,7 +19,7 @@ same for every request).
 
 Strategies other than naive renumber requests, move tokens to other positions or change the
 batch's shape symbols inside their launches, so each accepts only the variants it computes
-exactly (see ALLOWED): cascade, multi_item and custom_mask need hooks that read neither
+exactly (variant_layout.ALLOWED): cascade, multi_item and custom_mask need hooks that read neither
 positions (RoPE, window, q_idx / kv_idx) nor the request index b, nor tensors shaped by
 batch_size / qo_len / kv_len; split allows positions; ragged allows positions, b, and tensors
 shaped by batch_size / kv_len. Others raise ValueError naming the reason.
@@ -51,58 +51,12 @@ from .prefix import multi_item_metadata
 from .render import QUERY_TILES, tiles_for
 from .run_inputs import kv_strides_fit, q_strides_error, q_strides_fit, swapped_hint
 from .spec import Variant
+from .variant_layout import ALLOWED, check_strategy, layout_features
 
 STRATEGIES = ("naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
 _CAPACITY_DEFAULTS = {name: p.default for name, p in
                       inspect.signature(BatchPrefill.__init__).parameters.items()
                       if name.startswith("max_")}
-
-
-def _reads(variant: Variant, symbols: tuple) -> bool:
-    def walk(expr) -> bool:
-        if expr.op == "sym" and expr.args[0] in symbols:
-            return True
-        return any(walk(a) for a in expr.args if hasattr(a, "op"))
-    return any(walk(t.expr) for t in (variant.score, variant.mask_pred) if t is not None)
-
-
-def uses_positions(variant: Variant) -> bool:
-    """Whether the variant's output depends on absolute token positions beyond causal order:
-    fused RoPE, a sliding window, or a score_mod / mask_mod reading q_idx or kv_idx."""
-    return variant.pos_encoding is not None or variant.window_left is not None or \
-        _reads(variant, ("q_idx", "kv_idx"))
-
-
-def layout_features(variant: Variant) -> set:
-    """What in a variant depends on how a batch is laid out: "positions", "request" (reads
-    b), "qo_len" / "batch_or_kv_len" (tensor parameters shaped by those symbols)."""
-    features = set()
-    if uses_positions(variant):
-        features.add("positions")
-    if _reads(variant, ("b",)):
-        features.add("request")
-    for p in variant.tensor_params:
-        if "qo_len" in p.shape:
-            features.add("qo_len")
-        if "batch_size" in p.shape or "kv_len" in p.shape:
-            features.add("batch_or_kv_len")
-    return features
-
-
-#: The layout features each strategy computes exactly.
-ALLOWED = {"naive": {"positions", "request", "qo_len", "batch_or_kv_len"},
-           "ragged": {"positions", "request", "batch_or_kv_len"}, "split": {"positions"},
-           "cascade": set(), "multi_item": set(), "custom_mask": set()}
-
-
-def check_strategy(variant: Variant, strategy: str) -> None:
-    """Raise ValueError if ``strategy`` would not compute ``variant`` exactly."""
-    bad = layout_features(variant) - ALLOWED[strategy]
-    if bad:
-        raise ValueError(f"strategy {strategy!r} renumbers requests or moves tokens, so it "
-                         f"cannot run variant {variant.name!r}, whose hooks depend on "
-                         f"{sorted(bad)}; use one of "
-                         f"{[k for k, v in ALLOWED.items() if not (layout_features(variant) - v)]}")
 
 
 def _i32(values) -> torch.Tensor:
