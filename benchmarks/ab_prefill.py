@@ -2,14 +2,14 @@
 
 Each side's ``jitattn/``, ``templates/`` and ``variants/`` (a git revision through ``git
 archive``, or the working tree) go into a temporary tree; every round runs one process per side,
-A then B, each timing every case once (``jitattn.bench.timed``), so that the GPU's clocks and
-power state (the H200 runs these launches at its power limit, docs/performance.md) drift over
-both sides alike. Prints each case's TFLOP/s (or ms) per round and B's speed over A's from
-each side's best round (above 1: B is faster); ``--json`` keeps the numbers.
+A, B, C ... in turn, each timing every case once (``jitattn.bench.timed``), so that the GPU's
+clocks and power state (the H200 runs these launches at its power limit, docs/performance.md)
+drift over every side alike. Prints each case's TFLOP/s (or ms) per round and each other side's speed
+over A's from each side's best round (above 1: faster than A); ``--json`` keeps the numbers.
 
-    python benchmarks/ab_prefill.py BASE_REV [NEW_REV] [--rounds 3] [--cases causal_16k,...]
+    python benchmarks/ab_prefill.py BASE_REV [NEW_REV ...] [--rounds 3] [--cases causal_16k,...]
 
-NEW_REV defaults to the working tree; either side may also be a directory holding a copy (one
+NEW_REV defaults to the working tree; any side may also be a directory holding a copy (one
 with a ``jitattn/`` package). ``--device cpu`` runs tiny shapes on the CPU backend (a smoke test
 of the harness, not a timing).
 """
@@ -121,8 +121,9 @@ def child(tree: str, cases: list[str], device: str, compile_only: bool) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("base", help="git revision (or directory) of side A")
-    ap.add_argument("new", nargs="?",
-                    help="git revision or directory of side B (default: the working tree)")
+    ap.add_argument("new", nargs="*",
+                    help="git revisions or directories of sides B, C, ... (default: the "
+                         "working tree)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cases", default=",".join([*CASES, *SHARED_PREFIX]),
                     help=f"comma-separated, from {', '.join([*CASES, *SHARED_PREFIX])}")
@@ -139,7 +140,8 @@ def main(argv=None) -> int:
         child(args.child, cases, args.device, args.compile_only)
         return 0
     with tempfile.TemporaryDirectory(prefix="jitattn-ab-") as tmp:
-        sides = {"A": args.base, "B": args.new}
+        sides = {chr(ord("A") + i): rev for i, rev in enumerate([args.base, *(args.new or
+                                                                         [None])])}
         trees = {}
         for side, rev in sides.items():
             trees[side] = Path(tmp) / side
@@ -162,17 +164,22 @@ def main(argv=None) -> int:
                 if proc.returncode != 0:
                     raise SystemExit(f"side {side} failed")
                 rounds[side].append(json.loads(text.strip().splitlines()[-1]))
-    names = {"A": args.base, "B": args.new or "working tree"}
-    print(f"A = {names['A']}, B = {names['B']}, {args.rounds} rounds, {args.device}")
-    print("| case | unit | A, rounds | B, rounds | speed B / A (best rounds) |\n"
-          "|---|---|---|---|---|")
+    names = {s: rev or "working tree" for s, rev in sides.items()}
+    others = [s for s in sides if s != "A"]
+    print(", ".join(f"{s} = {n}" for s, n in names.items()) + f", {args.rounds} rounds, "
+          f"{args.device}")
+    print("| case | unit | " + " | ".join(f"{s}, rounds" for s in sides) + " | " +
+          " | ".join(f"{s} / A (best rounds)" for s in others) + " |\n" +
+          "|---" * (2 + len(sides) + len(others)) + "|")
     for case in cases:
         unit = rounds["A"][0][case][1]
         vals = {s: [r[case][0] for r in rounds[s]] for s in sides}
         best = {s: (min if unit == "ms" else max)(v) for s, v in vals.items()}
-        ratio = best["B"] / best["A"] if unit != "ms" else best["A"] / best["B"]
+        ratio = {s: best[s] / best["A"] if unit != "ms" else best["A"] / best[s]
+                 for s in others}
         fmt = lambda v: " / ".join(f"{x:.3f}" if unit == "ms" else f"{x:.1f}" for x in v)  # noqa
-        print(f"| {case} | {unit} | {fmt(vals['A'])} | {fmt(vals['B'])} | {ratio:.3f} |")
+        print(f"| {case} | {unit} | " + " | ".join(fmt(vals[s]) for s in sides) + " | " +
+              " | ".join(f"{ratio[s]:.3f}" for s in others) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"sides": names, "rounds": rounds}, indent=1))
     return 0

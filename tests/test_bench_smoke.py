@@ -17,8 +17,9 @@ def test_shared_prefix_grid_and_cascade_smoke(tmp_path):
 
 
 def test_ab_prefill_harness_smoke(tmp_path):
-    """benchmarks/ab_prefill.py builds two trees (a git revision and the working tree), runs
-    them in alternating processes and prints one row per case (CPU backend, tiny shapes)."""
+    """benchmarks/ab_prefill.py builds a tree per side (a git revision, and a directory: the
+    working tree), runs them in alternating processes and prints one row per case with each
+    side's speed over A's (CPU backend, tiny shapes)."""
     import json
     import subprocess
     import sys
@@ -26,14 +27,15 @@ def test_ab_prefill_harness_smoke(tmp_path):
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "ab.json"
     res = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_prefill.py"), "HEAD",
-                          "--device", "cpu", "--rounds", "2", "--cases",
+                          "HEAD", str(root), "--device", "cpu", "--rounds", "2", "--cases",
                           "causal_4k,ragged_p8196,naive_p8196", "--json", str(out)],
                          capture_output=True, text=True, cwd=root, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "| causal_4k | TFLOP/s |" in res.stdout and "| ragged_p8196 | ms |" in res.stdout
     assert "| naive_p8196 | ms |" in res.stdout
     rounds = json.loads(out.read_text())["rounds"]
-    assert len(rounds["A"]) == len(rounds["B"]) == 2
+    assert len(rounds["A"]) == len(rounds["B"]) == len(rounds["C"]) == 2
+    assert "| B / A (best rounds) | C / A (best rounds) |" in res.stdout
     assert all(r["causal_4k"][0] > 0 and r["ragged_p8196"][0] > 0 for r in rounds["A"])
 
 
