@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .dsl import Expr, SpecError
-from .emit import int_range
+from .emit import FLOAT32_TINY, int_range
 
 _POS, _NEG, _NAN = "+inf", "-inf", "NaN"
 
@@ -20,29 +22,60 @@ _ANY_SIGN = frozenset({"-", "0", "+"})
 _NEGATED = {"-": "+", "0": "0", "+": "-"}
 
 
-def _signs(e: Expr) -> frozenset:
-    """The signs ("-", "0", "+") a factor or divisor of an infinity can take: a constant's
-    own; a bool expression's 0 and + (torch and the kernels multiply it as 0 / 1: inf *
-    (kv_idx > q_idx) is NaN where the comparison is false); an int expression's by its range
-    (emit.int_range: h + 1 is positive), else every sign; the score's every sign; a scalar
-    parameter (a temperature), exp and sigmoid positive; a float table read 0 or positive (a
-    table of 0 / 1 times -inf is NaN where it holds 0); arithmetic, where(), min / max, tanh
-    and ** by their operands' signs (so (1 - keep[kv_idx]) * -inf, HF's additive mask, can be
-    0 * -inf: NaN)."""
+def _range(e: Expr) -> tuple[float, float] | None:
+    """Bounds of an expression built from constants, comparisons (0 or 1) and ints of known
+    range (emit.int_range) by +, -, *, negation, where(), min and max; None otherwise. (So
+    2.0 - (kv_idx > 2) * 1.0 lies in [1, 2]: never 0.)"""
     op, a = e.op, e.args
-    if op == "const":
-        c = float(a[0])
-        return frozenset({"-" if c < 0 else "0" if c == 0 else "+"})
+    if op == "const":  # (as the kernels hold it: 1e-50 is 0 in float32)
+        return (float(np.float32(a[0])) if e.kind == "float" else float(a[0]),) * 2
     if e.kind == "bool":
-        return frozenset({"0", "+"})
+        return 0.0, 1.0
     if e.kind == "int":
         r = int_range(e)
-        return _ANY_SIGN if r is None else frozenset(
-            v for v, holds in (("-", r[0] < 0), ("0", r[0] <= 0 <= r[1]), ("+", r[1] > 0)) if holds)
-    if op == "sym":
+        return None if r is None else (float(r[0]), float(r[1]))
+    if op not in ("neg", "+", "-", "*", "where", "min", "max"):
+        return None
+    x = [_range(y) for y in (a[1:] if op == "where" else a)]
+    if None in x:
+        return None
+    if op == "neg":
+        return -x[0][1], -x[0][0]
+    if op == "+":
+        return x[0][0] + x[1][0], x[0][1] + x[1][1]
+    if op == "-":
+        return x[0][0] - x[1][1], x[0][1] - x[1][0]
+    if op == "*":  # (a product below float32's normal range may flush to 0)
+        ends = [u * w for u in x[0] for w in x[1]]
+        tiny = any(0 < abs(v) < FLOAT32_TINY for v in ends)
+        return min(ends + [0.0] * tiny), max(ends + [0.0] * tiny)
+    pick = {"min": min, "max": max}.get(op)
+    if pick:
+        return pick(x[0][0], x[1][0]), pick(x[0][1], x[1][1])
+    return min(x[0][0], x[1][0]), max(x[0][1], x[1][1])  # where: either branch
+
+
+def _signs(e: Expr) -> frozenset:
+    """The signs ("-", "0", "+") a factor or divisor of an infinity can take: those of its
+    range where _range bounds it (a constant's own; a bool expression's 0 and +: torch and the
+    kernels multiply it as 0 / 1, so inf * (kv_idx > q_idx) is NaN where the comparison is
+    false; an int's by emit.int_range: h + 1 is positive); else the score's every sign; a
+    scalar parameter (a temperature) positive; exp and sigmoid 0 or positive (they underflow
+    to 0 in float32: -inf * exp(score) is NaN at a score below -104); a float table read 0 or
+    positive (a table of 0 / 1 times -inf is NaN where it holds 0); arithmetic, where(), min /
+    max, tanh and ** by their operands' signs (so (1 - keep[kv_idx]) * -inf, HF's additive
+    mask, can be 0 * -inf: NaN)."""
+    op, a = e.op, e.args
+    r = _range(e)
+    if r is not None:
+        return frozenset(v for v, holds in (("-", r[0] < 0), ("0", r[0] <= 0 <= r[1]),
+                                            ("+", r[1] > 0)) if holds)
+    if e.kind in ("int", "bool") or op == "sym":
         return _ANY_SIGN
-    if op in ("scalar", "exp", "sigmoid"):
+    if op == "scalar":
         return frozenset({"+"})
+    if op in ("exp", "sigmoid"):
+        return frozenset({"0", "+"})
     if op == "index":
         return frozenset({"0", "+"})
     x = [_signs(y) if isinstance(y, Expr) else _ANY_SIGN for y in a]
