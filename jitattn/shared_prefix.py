@@ -132,6 +132,8 @@ class SharedPrefixPrefill:
         self._handle = ops.register_wrapper(self)  # torch.compile: the op finds us by it
         self._wrappers: dict = {}
         self._steps: list = []
+        self._single = None  # the one step's wrapper, where it covers the whole layout
+        self._stride_memo: dict = {}  # _strides_fit's memo
 
     def _run_eager(self, q, inputs, params):
         """run() for the wrapper_run op (ops.py): inputs are k and v."""
@@ -209,7 +211,7 @@ class SharedPrefixPrefill:
     def _drop_plan(self) -> None:
         """Nothing planned, nothing half-planned (plan()'s first step, args.planner): after a
         plan() that raises, run() raises until the next plan()."""
-        self._steps = []
+        self._steps, self._single = [], None
 
     @planner
     def plan(self, prefix_len: int, suffix_lens, num_qo_heads: int, num_kv_heads: int,
@@ -316,10 +318,56 @@ class SharedPrefixPrefill:
                        [total], custom_mask=torch.from_numpy(visible.reshape(-1)))
             steps.append(("custom", slice(0, total), "direct", slice(0, total)))
         self._steps = steps
+        whole = slice(0, total)
+        self._single = steps[0][0] if len(steps) == 1 and steps[0][1:] == (
+            whole, "direct", whole) else None
         self._planned = dict(total=total, heads=heads, strategy=strategy, shapes=(
             torch.Size((total, num_qo_heads, head_dim)),
             torch.Size((total, num_kv_heads, head_dim)), q_dtype))
         return strategy
+
+    def _strides_fit(self, q, k, v) -> bool:
+        """q_strides_fit(q) and kv_strides_fit of k and v, memoized by their strides (host
+        time: run() per layer); the pointers' alignment is read every call."""
+        key = (q.stride(), k.stride(), v.stride())
+        fit = self._stride_memo.get(key)
+        if fit is None:
+            if len(self._stride_memo) > 16:  # (a model's layouts are few: a bound only)
+                self._stride_memo.clear()
+            fit = self._stride_memo[key] = key[0][2] == 1 and not (
+                key[0][0] % 8 or key[0][1] % 8) and all(
+                t.stride(-1) == 1 and not any(x * t.element_size() % 16 for x in t.stride()[:-1])
+                for t in (k, v))
+        return fit and not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16)
+
+    def _check_inputs(self, q, k, v) -> None:
+        """Raises TypeError / ValueError naming the first of q, k, v that does not suit the
+        plan (shape, dtype, device, strides and alignment); returns where all do."""
+        total = self._planned["total"]
+        q_shape, kv_shape, dtype = self._planned["shapes"]
+        for name, t, shape in (("q", q, q_shape), ("k", k, kv_shape), ("v", v, kv_shape)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.shape != shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan expects "
+                                 f"{tuple(shape)} ({total} rows: P + sum(S_i))"
+                                 + swapped_hint(name, t.shape, shape))
+            if t.dtype != dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}; the plan was made for {dtype} "
+                                f"(plan(..., q_dtype=) sets it)")
+        for name, t in (("q", q), ("k", k), ("v", v)):  # (else a strategy's inner call
+            #                                                 names k_cache)
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}; the wrapper was built for "
+                                 f"{self.device}")
+        if not q_strides_fit(q):  # (naive gathers q's rows, the others read q directly)
+            raise q_strides_error("q", q)
+        for name, t in (("k", k), ("v", v)):  # (else a strategy's inner call names k_cache, in
+            #                                     its own layout's strides)
+            if not kv_strides_fit(t):
+                raise ValueError(f"{name} has strides {t.stride()} (data pointer "
+                                 f"{t.data_ptr():#x}); expected the last dim contiguous, other "
+                                 f"strides multiples of 16 bytes, a 16-byte aligned pointer")
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             return_lse: bool = False, out: torch.Tensor | None = None,
@@ -340,33 +388,16 @@ class SharedPrefixPrefill:
                                "plan() that raised)")
         total = self._planned["total"]
         q_shape, kv_shape, dtype = self._planned["shapes"]
-        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and
-                isinstance(v, torch.Tensor) and q.shape == q_shape and k.shape == kv_shape and
-                v.shape == kv_shape and q.dtype == k.dtype == v.dtype == dtype):
-            for name, t, shape in (("q", q, q_shape), ("k", k, kv_shape), ("v", v, kv_shape)):
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-                if t.shape != shape:
-                    raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan expects "
-                                     f"{tuple(shape)} ({total} rows: P + sum(S_i))"
-                                     + swapped_hint(name, t.shape, shape))
-                if t.dtype != dtype:
-                    raise TypeError(f"{name} has dtype {t.dtype}; the plan was made for {dtype} "
-                                    f"(plan(..., q_dtype=) sets it)")
-        for name, t in (("q", q), ("k", k), ("v", v)):  # (else a strategy's inner call
-            #                                                 names k_cache)
-            if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device}; the wrapper was built for "
-                                 f"{self.device}")
-        q, k, v = warn_no_grad("SharedPrefixPrefill.run", q, k, v)
-        if not q_strides_fit(q):  # (naive gathers q's rows, the others read q directly)
-            raise q_strides_error("q", q)
-        for name, t in (("k", k), ("v", v)):  # (else a strategy's inner call names k_cache, in
-            #                                     its own layout's strides)
-            if not kv_strides_fit(t):
-                raise ValueError(f"{name} has strides {t.stride()} (data pointer "
-                                 f"{t.data_ptr():#x}); expected the last dim contiguous, other "
-                                 f"strides multiples of 16 bytes, a 16-byte aligned pointer")
+        if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+                and q.shape == q_shape and k.shape == kv_shape and v.shape == kv_shape and
+                q.dtype == k.dtype == v.dtype == dtype and
+                q.device == k.device == v.device == self.device and self._strides_fit(q, k, v)):
+            self._check_inputs(q, k, v)  # (names what is wrong; a tensor subclass passes)
+        if q.requires_grad or k.requires_grad or v.requires_grad:  # (attribute reads first)
+            q, k, v = warn_no_grad("SharedPrefixPrefill.run", q, k, v)
+        if self._single is not None and out is None and lse is None:  # one launch over the
+            #  whole layout (ragged, multi_item, custom_mask): it allocates its outputs
+            return self._wrappers[self._single].run(q, (k, v), return_lse=return_lse, **params)
         caller_out = out is not None
         # (contiguous, as q may not be)
         given = out = launch.output_buffer("out", out, q.shape, q.dtype, q.device)

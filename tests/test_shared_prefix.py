@@ -307,3 +307,24 @@ def test_q_k_and_v_strides_are_named_as_given(strategy):
                                          r"0x[0-9a-f]+\); expected the last dimension "
                                          r"contiguous, the other strides multiples of 8 elements"):
         sp.run(torch.randn(28, 4, 128).half()[:, :, ::2], k, k)
+    sp.run(q, k, k)  # (run() keeps whether these strides fit; pointers are read every call)
+    shifted = torch.randn(28 * 2 * 64 + 8).half()[1:1 + 28 * 2 * 64].view(28, 2, 64)
+    with pytest.raises(ValueError, match=r"^k has strides \(128, 64, 1\) \(data pointer "
+                                         r"0x[0-9a-f]+\); expected .* a 16-byte aligned pointer"):
+        sp.run(q, shifted, k)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_run_with_and_without_output_buffers_agree(strategy):
+    """run() without out / lse (for a single launch over the whole layout: the inner
+    wrapper's own outputs), with the caller's, and with a strided q give the same rows."""
+    gen = torch.Generator().manual_seed(5)
+    sp = SharedPrefixPrefill(ja.Variant("bufs", mask="causal"), strategy, device="cpu")
+    sp.plan(37, [5, 1, 9], 4, 2, 64)
+    q, k, v = (torch.randn(52, h, 64, generator=gen).half() for h in (4, 2, 2))
+    out, lse = sp.run(q, k, v, return_lse=True)
+    out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
+    assert sp.run(q, k, v, out=out2, lse=lse2, return_lse=True)[0] is out2
+    strided = torch.randn(52, 8, 64, generator=gen).half()[:, ::2].copy_(q)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    assert torch.equal(sp.run(strided, k, v), out) and not lse.isnan().any()
