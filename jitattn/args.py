@@ -52,12 +52,19 @@ def int_arg(name: str, value, minimum: int = 1, maximum: int | None = None) -> i
 
 def not_a_variant(value, wrapper: str | None = None) -> TypeError:
     """The TypeError for a ``variant`` argument that is not a jitattn.Variant; for a wrapper
-    given a tensor (FlashInfer's wrappers take their workspace buffer first), and for a
-    function (a FlexAttention score_mod / mask_mod), the hints."""
+    given a tensor (FlashInfer's wrappers take their workspace buffer first) or an int
+    (FlashInfer's cascade wrapper takes num_levels first), and for a function (a
+    FlexAttention score_mod / mask_mod), the hints."""
     hint = ""
     if wrapper is not None and isinstance(value, torch.Tensor):
         hint = (f" (FlashInfer's wrappers take a workspace buffer first; jitattn's size their "
                 f"own: {wrapper}(variant, ...))")
+    elif wrapper is not None and isinstance(value, (int, np.integer)) and \
+            not isinstance(value, (bool, np.bool_)):  # (FlashInfer's MultiLevelCascade-
+        #                                                 AttentionWrapper(num_levels, ...))
+        rest = "num_levels, " if wrapper == "MultiLevelCascade" else ""
+        hint = (f" (FlashInfer's cascade wrapper takes num_levels first; jitattn's take the "
+                f"Variant first: {wrapper}(variant, {rest}...))")
     elif callable(value):
         hint = (" (a score_mod or mask_mod goes into a Variant: jitattn.Variant(score_mod=f, "
                 "mask='none') or jitattn.Variant(mask_mod=f, mask='none'))")

@@ -108,6 +108,12 @@ class Variant:
     _direct_index: tuple = field(init=False, repr=False, default=())
 
     def __post_init__(self):
+        if torch.compiler.is_compiling():  # (dynamo failed inside the tracer, naming only an
+            #                                 AttributeError there)
+            raise SpecError("a Variant is built while torch.compile traces: build Variants "
+                            "outside the compiled function (at model construction) and pass "
+                            "or capture them; their tracing is Python that torch.compile does "
+                            "not follow")
         # None: from the mods (FlexAttention has no name to give); a derived name that
         # dataclasses.replace passed on: from this Variant's mods again
         if self.name is None or isinstance(self.name, _DerivedName):

@@ -385,3 +385,24 @@ def test_a_bool_scale_is_refused_under_compile_as_eagerly():
     with pytest.raises(Exception, match="sm_scale=True: expected a finite number"):
         torch.compile(lambda q: ja.attention(q, q, q, variant, sm_scale=True),
                       backend="aot_eager", fullgraph=True)(torch.randn(3, 2, 64).half())
+
+
+def test_a_variant_built_inside_a_compiled_function_is_named():
+    """A Variant built while torch.compile traces: under fullgraph, dynamo's error named an
+    AttributeError inside the tracer; it now says to build Variants outside. Without fullgraph
+    the frame falls back to eager and matches the eager result."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(9, h, 64, generator=gen).half() for h in (4, 2, 2))
+
+    def inside(q, k, v):
+        return ja.attention(q, k, v, ja.Variant("inside", mask="causal",
+                                                score_mod=ja.soft_cap(10.0)))
+    with torch.inference_mode():
+        eager = inside(q, k, v)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(inside, backend="aot_eager")(q, k, v), eager,
+                                   rtol=0, atol=0)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="a Variant is built while torch.compile traces: "
+                                            "build Variants outside the compiled function"):
+            torch.compile(inside, backend="aot_eager", fullgraph=True)(q, k, v)

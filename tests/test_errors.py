@@ -654,15 +654,20 @@ def test_flashinfer_positional_plan_calls_get_hints():
 
 
 def test_flashinfer_shaped_constructor_and_run_calls_get_hints():
-    """FlashInfer's wrappers take a workspace buffer first and the layout second, and its
-    ragged run() takes k and v apart: ported calls were refused as "got Tensor", "page_size=
-    'NHD': expected an int" and "takes 3 positional arguments but 4 were given"."""
+    """FlashInfer's wrappers take a workspace buffer first (its cascade wrapper num_levels)
+    and the layout second, and its ragged run() takes k and v apart: ported calls were refused
+    as "got Tensor" ("got int"), "page_size='NHD': expected an int" and "takes 3 positional
+    arguments but 4 were given"."""
     causal = ja.Variant("c", mask="causal")
     workspace = torch.empty(16, dtype=torch.uint8)
     for wrapper in (ja.BatchPrefill, ja.BatchDecode, ja.CascadeDecode):
         with pytest.raises(TypeError, match=f"got Tensor \\(FlashInfer's wrappers take a "
                                             f"workspace buffer first.*{wrapper.__name__}"):
             wrapper(workspace, device="cpu")
+    with pytest.raises(TypeError, match=r"got int \(FlashInfer's cascade wrapper takes "
+                                        r"num_levels first; jitattn's take the Variant first: "
+                                        r"MultiLevelCascade\(variant, num_levels, \.\.\.\)\)"):
+        ja.MultiLevelCascade(2, workspace, "NHD", device="cpu")
     with pytest.raises(TypeError, match="the layout is the argument after it \\(BatchPrefill"
                                         "\\(variant, page_size=16, kv_layout='NHD'\\)\\)"):
         ja.BatchPrefill(causal, "NHD", device="cpu")

@@ -136,20 +136,24 @@ def test_alternating_masks_keep_their_ragged_layouts():
     self_mask = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()
     cross_mask = torch.ones(2, 1, 4, 10, dtype=torch.bool)
     cross_mask[1, :, :, 6:] = False
-    def unpad(mask, variant):
-        return _unpadding(mask, variant, mask.shape[0], *mask.shape[2:])
+    def unpad(mask, variant, layer_idx=None):
+        return _unpadding(mask, variant, mask.shape[0], *mask.shape[2:], layer_idx)
     first = unpad(self_mask, causal), unpad(cross_mask, full)
     for _ in range(3):
         assert (unpad(self_mask, causal), unpad(cross_mask, full)) == first
     cross_mask[0, :, :, 8:] = False  # changed in place: rebuilt
     assert unpad(cross_mask, full) is not first[1]
-    with torch.inference_mode():  # no version counter: reused only as the latest mask
+    with torch.inference_mode():  # no version counter: reused only as the latest mask, by
+        #                               later layers of one forward
         a, b = torch.ones(1, 1, 4, 4, dtype=torch.bool), torch.ones(1, 1, 4, 10, dtype=torch.bool)
-        first_a = unpad(a, full)
-        assert unpad(a, full) is first_a
-        unpad(b, full)
+        first_a = unpad(a, full, 0)
+        assert unpad(a, full, 1) is first_a and unpad(a, full, 3) is first_a
+        assert unpad(a, full, 3) is not first_a  # (a layer not above the last: a new forward)
+        assert unpad(a, full) is not first_a  # (a module without layer_idx)
+        first_a = unpad(a, full, 0)
+        unpad(b, full, 1)
         a[0, :, :, 2:] = False
-        assert unpad(a, full).kv_rows.tolist() == [0, 1]
+        assert unpad(a, full, 2).kv_rows.tolist() == [0, 1]
 
 def test_a_mask_of_one_covers_the_batch_and_biases_are_refused():
     """A [1, 1, q, k] mask over a batch of 2 laid out one request (the second's rows came out
@@ -286,7 +290,9 @@ def test_static_cache_generate_matches_sdpa():
 
 def test_a_mask_buffer_refilled_between_forwards_under_inference_mode():
     """Inference tensors have no version counter: a mask buffer the caller refills in place
-    kept its old layout; layer 0 starts a new forward, so it is laid out again there."""
+    kept its old layout; a layer whose index is not above the last one's starts a new
+    forward, so it is laid out again there (layer 0, or a pipeline stage's first layer), and
+    a module without layer_idx (CLIP's) lays it out every call: it kept the old one."""
     from jitattn.integrations.transformers import jitattn_attention_forward
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, h, 8, 64, generator=gen).half() for h in (4, 2, 2))
@@ -294,15 +300,18 @@ def test_a_mask_buffer_refilled_between_forwards_under_inference_mode():
     padded = causal[None, None].repeat(2, 1, 1, 1)
     padded[1, 0, :, :3] = False  # request 1: 3 tokens of left padding
     padded[1, 0, :3, :] = False
-    module = torch.nn.Module()
-    module.is_causal, module.layer_idx = True, 0
-    with torch.inference_mode():
-        buffer = causal[None, None].repeat(2, 1, 1, 1)
-        jitattn_attention_forward(module, q, k, v, buffer, scaling=0.125)
-        buffer.copy_(padded)
-        out, _ = jitattn_attention_forward(module, q, k, v, buffer, scaling=0.125)
-    torch.testing.assert_close(out[1, 3:].float(), _sdpa(q, k, v, mask=padded)[1, 3:],
-                               atol=2e-3, rtol=2e-3)
+    for layer_idx in (0, 5, None):
+        module = torch.nn.Module()
+        module.is_causal = True
+        if layer_idx is not None:
+            module.layer_idx = layer_idx
+        with torch.inference_mode():
+            buffer = causal[None, None].repeat(2, 1, 1, 1)
+            jitattn_attention_forward(module, q, k, v, buffer, scaling=0.125)
+            buffer.copy_(padded)
+            out, _ = jitattn_attention_forward(module, q, k, v, buffer, scaling=0.125)
+        torch.testing.assert_close(out[1, 3:].float(), _sdpa(q, k, v, mask=padded)[1, 3:],
+                                   atol=2e-3, rtol=2e-3)
 
 
 def test_a_model_compiles_fullgraph_after_an_eager_call():
@@ -422,3 +431,22 @@ def test_sinks_of_the_wrong_shape_are_refused():
     with pytest.raises(ValueError, match=r"s_aux \(attention sinks\) has shape \(2,\); "
                                          r"expected one logit per query head, \(4,\)"):
         jitattn_attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
+
+
+def test_autocast_runs_attention_in_its_dtype_as_sdpa():
+    """A float32 model under torch.autocast(bfloat16) hands attention q and k in float32 (after
+    RoPE) and v in bfloat16: it was refused, telling the user to cast the model, while sdpa
+    runs it in the autocast dtype; so does jitattn now (out in that dtype)."""
+    from jitattn.integrations.transformers import jitattn_attention_forward
+    gen = torch.Generator().manual_seed(6)
+    q, k = torch.randn(2, 4, 7, 64, generator=gen), torch.randn(2, 2, 7, 64, generator=gen)
+    v = torch.randn(2, 2, 7, 64, generator=gen).bfloat16()
+    module = torch.nn.Module()
+    module.is_causal = True
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = jitattn_attention_forward(module, q, k, v, None, scaling=0.125)
+    assert out.dtype == torch.bfloat16
+    ref = _sdpa(q.bfloat16(), k.bfloat16(), v, is_causal=True)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    with pytest.raises(TypeError, match="the model runs attention in torch.float32"):
+        jitattn_attention_forward(module, q, k, v.float(), None, scaling=0.125)
