@@ -59,12 +59,11 @@ def not_a_variant(value, wrapper: str | None = None) -> TypeError:
     if wrapper is not None and isinstance(value, torch.Tensor):
         hint = (f" (FlashInfer's wrappers take a workspace buffer first; jitattn's size their "
                 f"own: {wrapper}(variant, ...))")
-    elif wrapper is not None and isinstance(value, (int, np.integer)) and \
+    elif wrapper == "MultiLevelCascade" and isinstance(value, (int, np.integer)) and \
             not isinstance(value, (bool, np.bool_)):  # (FlashInfer's MultiLevelCascade-
         #                                                 AttentionWrapper(num_levels, ...))
-        rest = "num_levels, " if wrapper == "MultiLevelCascade" else ""
-        hint = (f" (FlashInfer's cascade wrapper takes num_levels first; jitattn's take the "
-                f"Variant first: {wrapper}(variant, {rest}...))")
+        hint = (" (FlashInfer's cascade wrapper takes num_levels first; jitattn's take the "
+                "Variant first: MultiLevelCascade(variant, num_levels, ...))")
     elif callable(value):
         hint = (" (a score_mod or mask_mod goes into a Variant: jitattn.Variant(score_mod=f, "
                 "mask='none') or jitattn.Variant(mask_mod=f, mask='none'))")

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from .dsl import Expr, SpecError
-from .emit import FLOAT32_TINY, int_range
+from .emit import FLOAT32_MAX, FLOAT32_TINY, int_range
 
 _POS, _NEG, _NAN = "+inf", "-inf", "NaN"
 
@@ -22,37 +20,62 @@ _ANY_SIGN = frozenset({"-", "0", "+"})
 _NEGATED = {"-": "+", "0": "0", "+": "-"}
 
 
+_ROUNDING = 2.0 ** -22  # relative: above float32's rounding of one operation (2 ** -24)
+
+
+def _float32_bounds(lo: float, hi: float) -> tuple[float, float] | None:
+    """[lo, hi], a float32 result's exact bounds, widened by its rounding (operands' bounds
+    hold their own, so a difference of rounded operands that cancels may be 0), with 0
+    included where an end may flush to 0 (below float32's normal range), or None where it may
+    overflow."""
+    lo, hi = lo - _ROUNDING * abs(lo), hi + _ROUNDING * abs(hi)
+    if max(abs(lo), abs(hi)) >= FLOAT32_MAX:
+        return None
+    if 0 < lo < FLOAT32_TINY:
+        lo = 0.0
+    if -FLOAT32_TINY < hi < 0:
+        hi = 0.0
+    return lo, hi
+
+
 def _range(e: Expr) -> tuple[float, float] | None:
     """Bounds of an expression built from constants, comparisons (0 or 1) and ints of known
-    range (emit.int_range) by +, -, *, negation, where(), min and max; None otherwise. (So
-    2.0 - (kv_idx > 2) * 1.0 lies in [1, 2]: never 0.)"""
+    range (emit.int_range) by +, -, *, /, **, negation, where(), min and max, as the kernels
+    compute it in float32: each result widened by its rounding, 0 included where it may
+    flush to 0, None where it may overflow or divide by 0 (and otherwise). So
+    2.0 - (kv_idx > 2) * 1.0 lies in [1, 2] (never 0), while (1 + 1e-8) - 1 may be 0."""
     op, a = e.op, e.args
-    if op == "const":  # (as the kernels hold it: 1e-50 is 0 in float32)
-        return (float(np.float32(a[0])) if e.kind == "float" else float(a[0]),) * 2
+    if op == "const":
+        c = float(a[0])
+        return _float32_bounds(c, c)
     if e.kind == "bool":
         return 0.0, 1.0
-    if e.kind == "int":
+    if e.kind == "int":  # (converted to float32 where it meets a float)
         r = int_range(e)
-        return None if r is None else (float(r[0]), float(r[1]))
-    if op not in ("neg", "+", "-", "*", "where", "min", "max"):
+        return None if r is None else _float32_bounds(r[0], r[1])
+    if op not in ("neg", "+", "-", "*", "/", "**", "where", "min", "max"):
         return None
     x = [_range(y) for y in (a[1:] if op == "where" else a)]
     if None in x:
         return None
     if op == "neg":
         return -x[0][1], -x[0][0]
-    if op == "+":
-        return x[0][0] + x[1][0], x[0][1] + x[1][1]
-    if op == "-":
-        return x[0][0] - x[1][1], x[0][1] - x[1][0]
-    if op == "*":  # (a product below float32's normal range may flush to 0)
-        ends = [u * w for u in x[0] for w in x[1]]
-        tiny = any(0 < abs(v) < FLOAT32_TINY for v in ends)
-        return min(ends + [0.0] * tiny), max(ends + [0.0] * tiny)
-    pick = {"min": min, "max": max}.get(op)
-    if pick:
-        return pick(x[0][0], x[1][0]), pick(x[0][1], x[1][1])
-    return min(x[0][0], x[1][0]), max(x[0][1], x[1][1])  # where: either branch
+    if op in ("min", "max", "where"):  # (exact: one of the operands)
+        pick = {"min": min, "max": max}.get(op)
+        return (pick(x[0][0], x[1][0]), pick(x[0][1], x[1][1])) if pick else \
+            (min(x[0][0], x[1][0]), max(x[0][1], x[1][1]))
+    (u0, u1), (w0, w1) = x
+    if op in ("+", "-"):
+        ends = (u0 + w0, u1 + w1) if op == "+" else (u0 - w1, u1 - w0)
+        return _float32_bounds(*ends)
+    if op == "/" and w0 <= 0 <= w1 or op == "**" and (u0 <= 0 or max(-w0, w1) > 1e4):
+        return None  # (a power: of a positive base, by an exponent of modest size)
+    try:
+        ends = [u ** w if op == "**" else u * w if op == "*" else u / w
+                for u in (u0, u1) for w in (w0, w1)]
+    except OverflowError:
+        return None
+    return _float32_bounds(min(ends), max(ends))
 
 
 def _signs(e: Expr) -> frozenset:
@@ -63,8 +86,10 @@ def _signs(e: Expr) -> frozenset:
     scalar parameter (a temperature) positive; exp and sigmoid 0 or positive (they underflow
     to 0 in float32: -inf * exp(score) is NaN at a score below -104); a float table read 0 or
     positive (a table of 0 / 1 times -inf is NaN where it holds 0); arithmetic, where(), min /
-    max, tanh and ** by their operands' signs (so (1 - keep[kv_idx]) * -inf, HF's additive
-    mask, can be 0 * -inf: NaN)."""
+    max, tanh and ** by their operands' signs, a positive base's powers 0 or positive (so
+    (1 - keep[kv_idx]) * -inf, HF's additive mask, can be 0 * -inf: NaN). Products and
+    quotients of runtime values (parameters, the score) are taken not to flush to 0, and a
+    zero as +0 (a -0 divisor would turn -inf / 0 to +inf)."""
     op, a = e.op, e.args
     r = _range(e)
     if r is not None:
@@ -79,8 +104,8 @@ def _signs(e: Expr) -> frozenset:
     if op == "index":
         return frozenset({"0", "+"})
     x = [_signs(y) if isinstance(y, Expr) else _ANY_SIGN for y in a]
-    if op == "**":  # (a positive base's powers are positive; 0's are 0 or inf)
-        return x[0] if x[0] <= {"0", "+"} else _ANY_SIGN
+    if op == "**":  # (a positive base's powers are positive or flush to 0; 0's are 0 or inf)
+        return frozenset({"0", "+"}) if x[0] <= {"0", "+"} else _ANY_SIGN
     if op in ("where", "min", "max"):
         return frozenset().union(*x[1 if op == "where" else 0:])
     if op in ("neg", "tanh", "tanh_approx"):

@@ -110,10 +110,11 @@ class Variant:
     def __post_init__(self):
         if torch.compiler.is_compiling():  # (dynamo failed inside the tracer, naming only an
             #                                 AttributeError there)
-            raise SpecError("a Variant is built while torch.compile traces: build Variants "
-                            "outside the compiled function (at model construction) and pass "
-                            "or capture them; their tracing is Python that torch.compile does "
-                            "not follow")
+            raise SpecError("a Variant is built while torch.compile (or torch.export) traces, "
+                            "by the code or by a wrapper's constructor: build Variants and "
+                            "wrappers outside the compiled function (at model construction) "
+                            "and pass or capture them; their tracing is Python that "
+                            "torch.compile does not follow")
         # None: from the mods (FlexAttention has no name to give); a derived name that
         # dataclasses.replace passed on: from this Variant's mods again
         if self.name is None or isinstance(self.name, _DerivedName):

@@ -527,10 +527,11 @@ def test_infinite_constants_that_make_a_score_nan_are_refused():
     its rows came out NaN; so were -inf constants made +inf or NaN (a negative factor, * 0,
     inf - inf, a comparison or int as a factor: -inf * (k > q) is NaN where it is false, as in
     torch; the score, a difference or a table read as a factor: HF's additive mask (1 - keep)
-    * -inf), exp and sigmoid (they underflow to 0), a product of constants that float32
-    flushes to 0, and a division (/, //, %) by a constant 0; int factors count by their range
-    (h + 1 is positive), and factors of constants, comparisons and ints by their bounds
-    (2 - (k > 2) is never 0). -inf that hides keys (also through a runtime
+    * -inf), exp, sigmoid and powers (they underflow to 0: 2 ** -(h + 1) at h >= 149), a
+    product or quotient of constants that float32 flushes to 0, a difference that cancels in
+    float32 or overflows, and a division (/, //, %) by a constant 0; int factors count by
+    their range (h + 1 is positive), and factors of constants, comparisons and ints by their
+    float32 bounds (2 - (k > 2) is never 0). -inf that hides keys (also through a runtime
     divisor, a nonzero where() or a comparison as divisor, or negated twice), bounds
     (clamp(max=inf)), comparisons and a sigmoid's +inf (a weight of 1) stay; a NaN constant
     names itself and what is expected."""
@@ -564,7 +565,20 @@ def test_infinite_constants_that_make_a_score_nan_are_refused():
             (lambda s, b, h, q, k: s - inf * torch.sigmoid(s), r"constant inf can make the "
                                                                r"score NaN"),
             (lambda s, b, h, q, k: s - inf * (((k > q) + 1.0) * 1e-30 * 1e-20),
-             r"constant inf can make the score NaN")):
+             r"constant inf can make the score NaN"),
+            (lambda s, b, h, q, k: s - inf * (((k > q) + 1.0) / 1e30 / 1e20),
+             r"constant inf can make the score NaN"),
+            (lambda s, b, h, q, k: s - inf * ((((k > 2) * 0.0 + 1.0) + 1e-8) -
+                                              ((k > 2) * 0.0 + 1.0)),
+             r"constant inf can make the score .*NaN"),
+            (lambda s, b, h, q, k: s - inf * (16777217 - (k > 2) * 16777216.0),
+             r"constant inf can make the score .*NaN"),
+            (lambda s, b, h, q, k: s - inf * (((k > 2) + 10.0) * 1e38 - ((k > 2) + 5.0) * 1e38),
+             r"constant inf can make the score .*NaN"),
+            (lambda s, b, h, q, k: s - inf * (2.0 - (k > 2) * 1.5) ** 200.0,
+             r"constant inf can make the score NaN"),
+            (lambda s, b, h, q, k: torch.where(k <= q, s, -inf) / (h + 1) * 2.0 ** -(h + 1),
+             r"constant -inf can make the score .*NaN")):
         with pytest.raises(SpecError, match=r"score_mod '<lambda>' \(defined at .*test_dsl.py:"
                                             r"\d+\): its " + text + r", which makes the row's "
                                             r"output and lse NaN; expected finite constants "
@@ -587,7 +601,8 @@ def test_infinite_constants_that_make_a_score_nan_are_refused():
                lambda s, b, h, q, k: s - inf * torch.where(k > q + 20, 1.0, 2.0),
                lambda s, b, h, q, k: s - inf / (k > q),
                lambda s, b, h, q, k: torch.where(k <= q, s, -inf) * (1.0 + keep[k % 3]),
-               lambda s, b, h, q, k: torch.where(k <= q, s, -inf) / (h + 1) * 2.0 ** -(h + 1),
+               lambda s, b, h, q, k: torch.where(k <= q, s, -inf) / (h + 1) *
+               2.0 ** -((h % 8) + 1),
                lambda s, b, h, q, k: torch.where(k <= q, s, -inf) / (keep[k % 3] + 1.0) ** 0.5,
                lambda s, b, h, q, k: s + (2.0 - (k > 2) * 1.0) * -inf,
                lambda s, b, h, q, k: s - inf * torch.where(k > q, 3.0 - (h > 0), 1.0) ** 2,

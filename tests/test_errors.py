@@ -668,6 +668,8 @@ def test_flashinfer_shaped_constructor_and_run_calls_get_hints():
                                         r"num_levels first; jitattn's take the Variant first: "
                                         r"MultiLevelCascade\(variant, num_levels, \.\.\.\)\)"):
         ja.MultiLevelCascade(2, workspace, "NHD", device="cpu")
+    with pytest.raises(TypeError, match=r"^variant must be a jitattn.Variant, got int$"):
+        ja.BatchDecode(16, device="cpu")  # (that hint is the cascade's alone)
     with pytest.raises(TypeError, match="the layout is the argument after it \\(BatchPrefill"
                                         "\\(variant, page_size=16, kv_layout='NHD'\\)\\)"):
         ja.BatchPrefill(causal, "NHD", device="cpu")

@@ -136,20 +136,20 @@ def test_alternating_masks_keep_their_ragged_layouts():
     self_mask = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()
     cross_mask = torch.ones(2, 1, 4, 10, dtype=torch.bool)
     cross_mask[1, :, :, 6:] = False
-    def unpad(mask, variant, layer_idx=None):
-        return _unpadding(mask, variant, mask.shape[0], *mask.shape[2:], layer_idx)
+    def unpad(mask, variant, module_id=None):
+        return _unpadding(mask, variant, mask.shape[0], *mask.shape[2:], module_id)
     first = unpad(self_mask, causal), unpad(cross_mask, full)
     for _ in range(3):
         assert (unpad(self_mask, causal), unpad(cross_mask, full)) == first
     cross_mask[0, :, :, 8:] = False  # changed in place: rebuilt
     assert unpad(cross_mask, full) is not first[1]
     with torch.inference_mode():  # no version counter: reused only as the latest mask, by
-        #                               later layers of one forward
+        #                               the other attention modules of one forward
         a, b = torch.ones(1, 1, 4, 4, dtype=torch.bool), torch.ones(1, 1, 4, 10, dtype=torch.bool)
-        first_a = unpad(a, full, 0)
-        assert unpad(a, full, 1) is first_a and unpad(a, full, 3) is first_a
-        assert unpad(a, full, 3) is not first_a  # (a layer not above the last: a new forward)
-        assert unpad(a, full) is not first_a  # (a module without layer_idx)
+        first_a = unpad(a, full, 10)
+        assert unpad(a, full, 11) is first_a and unpad(a, full, 13) is first_a
+        assert unpad(a, full, 11) is not first_a  # (a module seen again: a new forward)
+        assert unpad(a, full) is not first_a  # (no module named)
         first_a = unpad(a, full, 0)
         unpad(b, full, 1)
         a[0, :, :, 2:] = False
@@ -290,9 +290,9 @@ def test_static_cache_generate_matches_sdpa():
 
 def test_a_mask_buffer_refilled_between_forwards_under_inference_mode():
     """Inference tensors have no version counter: a mask buffer the caller refills in place
-    kept its old layout; a layer whose index is not above the last one's starts a new
-    forward, so it is laid out again there (layer 0, or a pipeline stage's first layer), and
-    a module without layer_idx (CLIP's) lays it out every call: it kept the old one."""
+    kept its old layout; an attention module seen again starts a new forward, so it is laid
+    out again there (layer 0 did, so a pipeline stage's first layer, or CLIP's modules, which
+    have no layer_idx, kept the old one)."""
     from jitattn.integrations.transformers import jitattn_attention_forward
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, h, 8, 64, generator=gen).half() for h in (4, 2, 2))

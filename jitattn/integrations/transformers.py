@@ -123,8 +123,8 @@ class _Unpadding:
 # the last masks seen (the model passes the same mask tensor to every layer of one forward;
 # an encoder-decoder's decoder layers alternate two: self- and cross-attention), held weakly
 # and identified by `is`, with their ragged layouts per variant
-_RECENT: list = []  # [weakref to the mask, its version, {variant: _Unpadding}, the last
-#                       layer_idx it served], latest first
+_RECENT: list = []  # [weakref to the mask, its version, {variant: _Unpadding}, the ids of
+#                       the attention modules it served], latest first
 _RECENT_MASKS = 4
 # an additive mask's values at or below this hide a key (transformers writes its dtype's
 # minimum; older models -10000.0)
@@ -141,24 +141,23 @@ _UNPADDING_REASON = ("jitattn lays out an attention mask on the host, and transf
 
 
 def _unpadding(attention_mask: torch.Tensor, variant: ja.Variant, batch: int, q_len: int,
-               kv_len: int, layer_idx: int | None = None) -> _Unpadding:
+               kv_len: int, module_id: int | None = None) -> _Unpadding:
     # transformers builds a new mask per forward; a mask changed in place is seen by its
     # version counter, which inference tensors lack: those are reused only as the latest mask
-    # and within one forward, which the layers' indices tell (layer_idx: each later layer's is
-    # larger, so one not above the last served starts a forward, where a mask buffer the
-    # caller refills in place between forwards gets a new layout; a module without one, e.g.
-    # CLIP's, gets a new layout every call, whose old one was reused stale)
+    # and within one forward, where each attention module (module_id: its id) runs once; a
+    # module seen again starts a forward, where a mask buffer the caller refills in place
+    # between forwards gets a new layout (layer 0 started one: CLIP's modules have no
+    # layer_idx, and kept a stale layout; ALBERT's one shared module lays out every layer)
     inference = attention_mask.is_inference()
     version = None if inference else attention_mask._version
     entry = next((e for e in _RECENT if e[0]() is attention_mask), None)
     if entry is None or entry[1] != version or (inference and (
-            entry is not _RECENT[0] or layer_idx is None or layer_idx <= entry[3])):
+            entry is not _RECENT[0] or module_id is None or module_id in entry[3])):
         # (by identity: weak references compare their tensors)
         kept = [e for e in _RECENT if e is not entry and e[0]() is not None]
-        entry = [weakref.ref(attention_mask), version, {}, -1]
+        entry = [weakref.ref(attention_mask), version, {}, set()]
         _RECENT[:] = [entry] + kept[:_RECENT_MASKS - 1]
-    if layer_idx is not None:
-        entry[3] = layer_idx
+    entry[3].add(module_id)
     layouts = entry[2]
     if (variant, batch) not in layouts:
         shape = tuple(attention_mask.shape)
@@ -205,8 +204,9 @@ def jitattn_attention_forward(module, query, key, value, attention_mask, dropout
     if torch.is_autocast_enabled(device_type):  # (as transformers' sdpa under autocast: its
         #  inputs in the autocast dtype; q and k arrive float32 after RoPE, v in that dtype)
         low = torch.get_autocast_dtype(device_type)
-        if low in (torch.float16, torch.bfloat16):
-            query, key, value = (x.to(low) for x in (query, key, value))
+        if low in (torch.float16, torch.bfloat16):  # (float64 stays: refused below)
+            query, key, value = (x.to(low) if x.dtype == torch.float32 else x
+                                 for x in (query, key, value))
     if query.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"the model runs attention in {query.dtype}; jitattn's kernels take "
                         f"float16 or bfloat16: load or cast the model to one of them (e.g. "
@@ -238,9 +238,8 @@ def jitattn_attention_forward(module, query, key, value, attention_mask, dropout
                            qo_indptr=qo, kv_indptr=kv, sm_scale=scaling,
                            return_lse=sinks is not None)
         return _with_sinks(out, sinks).reshape(batch, q_len, hq, d), None
-    layer_idx = getattr(module, "layer_idx", None)
     layout = host_only(_UNPADDING_REASON)(_unpadding, attention_mask, variant, batch, q_len,
-                                          kv_len, layer_idx if type(layer_idx) is int else None)
+                                          kv_len, id(module))
     out = torch.zeros(batch * q_len, hq, d, dtype=query.dtype, device=query.device)
     out[layout.q_rows] = _with_sinks(ja.attention(
         q[layout.q_rows], k[layout.kv_rows], v[layout.kv_rows], variant,
