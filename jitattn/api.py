@@ -184,7 +184,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"given to BatchPrefill.plan(); attention() takes none or causal")
     if not _qkv_fine(q, k, v):
         _check_qkv(q, k, v)
-    warn_no_grad("jitattn.attention", q, k, v)
+    if q.requires_grad or k.requires_grad or v.requires_grad:  # (attribute reads first)
+        warn_no_grad("jitattn.attention", q, k, v)
     total_q, hq, head_dim = q.shape
     hkv = k.shape[1]
     if (qo_indptr is None) != (kv_indptr is None):
