@@ -237,13 +237,14 @@ class Variant:
         extra, missing = set(params) - expected, expected - set(params)
         if extra:
             hint = " (the softmax scale is the sm_scale= argument)" if "scale" in extra else ""
-            for name in sorted(extra - {"scale"}) if not torch.compiler.is_compiling() else ():
-                # (difflib is not traceable: the hint is eager mode's)
+            for name in sorted(extra - {"scale"}):
                 if name in CALL_KEYWORDS_ELSEWHERE:  # SDPA's is_causal=, FlashInfer's causal=
                     hint += f"; {name}= is {CALL_KEYWORDS_ELSEWHERE[name]}"
                     continue
                 if name in _CALL_KEYWORDS:  # a keyword of another call (ja.attention(v_scale=))
                     hint += f"; {name}= is not a keyword of this call"
+                    continue
+                if torch.compiler.is_compiling():  # (difflib is not traceable: eager's hint)
                     continue
                 close = difflib.get_close_matches(name, _CALL_KEYWORDS + tuple(expected), n=1)
                 hint += f"; did you mean {close[0]}=?" if close else ""

@@ -407,3 +407,15 @@ def test_a_variant_built_inside_a_compiled_function_is_named():
                                             "torch.export\\) traces, .*: build Variants and "
                                             "wrappers outside the compiled function"):
             torch.compile(inside, backend="aot_eager", fullgraph=True)(q, k, v)
+
+
+def test_a_flashinfer_keyword_gets_its_hint_under_compile_too():
+    """ja.attention(..., causal=True) says where causal= goes eagerly; under torch.compile the
+    hint was dropped with the spelling suggestion (difflib, which dynamo cannot trace)."""
+    q, k = torch.randn(8, 4, 64).half(), torch.randn(8, 2, 64).half()
+    variant = ja.Variant("c", mask="causal")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"unexpected parameter\(s\) \['causal'\] .*causal= is "
+                                        r"the Variant's mask"):
+        torch.compile(lambda q, k, v: ja.attention(q, k, v, variant, causal=True),
+                      backend="aot_eager", fullgraph=True)(q, k, k)
