@@ -450,3 +450,21 @@ def test_autocast_runs_attention_in_its_dtype_as_sdpa():
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
     with pytest.raises(TypeError, match="the model runs attention in torch.float32"):
         jitattn_attention_forward(module, q, k, v.float(), None, scaling=0.125)
+
+
+def test_training_mode_with_gradients_is_refused():
+    """model.train() and a backward pass only warned (once per layer), and the optimizer then
+    skipped q, k and v's projections, whose gradients stayed None; eval mode without no_grad
+    still warns and runs."""
+    name = register()
+    model = tiny_llama(name)
+    ids = torch.randint(1, 512, (1, 6), generator=torch.Generator().manual_seed(3))
+    model.train()
+    with pytest.raises(RuntimeError, match="training mode with gradients on, and jitattn's "
+                                           "attention has no backward"):
+        model(ids)
+    with torch.no_grad():
+        model(ids)
+    model.eval()
+    with pytest.warns(UserWarning, match="has no backward"):
+        model(ids)

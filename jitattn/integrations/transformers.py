@@ -189,9 +189,17 @@ def jitattn_attention_forward(module, query, key, value, attention_mask, dropout
     is on (as sdpa); returns (out [batch, q_len, heads, head_dim],
     None; with output_attentions=True it warns, as transformers' sdpa does). Raises
     ValueError for dropout, a position_bias (T5's relative bias: a bias is a Variant's
-    score_mod) or a mask that is not padding-shaped."""
+    score_mod) or a mask that is not padding-shaped; RuntimeError for a module in training
+    mode whose inputs require grad (no backward: eval mode without no_grad warns)."""
     if dropout:
         raise ValueError(f"dropout={dropout}: jitattn is for inference (dropout 0)")
+    if getattr(module, "training", False) and torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad):
+        # (a warning let a training step run with no gradient for q, k, v's projections)
+        raise RuntimeError("the model is in training mode with gradients on, and jitattn's "
+                           "attention has no backward (inference only): its projections would "
+                           "get no gradient; train with attn_implementation='sdpa' or "
+                           "'eager', or call model.eval() / run under torch.no_grad()")
     if kwargs.get("position_bias") is not None:  # (dropped, it would give wrong outputs)
         raise ValueError("position_bias: jitattn's attention takes no bias tensor (a bias is "
                          "a Variant's score_mod); run this model with attn_implementation="
