@@ -28,18 +28,28 @@ def split_cache(kv_cache, kv_layout: str):
 
 
 def kv_strides_fit(t: torch.Tensor) -> bool:
-    """Whether the kernels can address K / V tensor ``t``: its last dim contiguous, its other
-    strides multiples of 16 bytes, its start 16-byte aligned."""
-    return t.stride(-1) == 1 and not any(s * t.element_size() % 16 for s in t.stride()[:-1]) \
-        and not t.data_ptr() % 16
+    """Whether the kernels can address K / V tensor ``t``: kv_strides_ok, and its start
+    16-byte aligned."""
+    return kv_strides_ok(t) and not t.data_ptr() % 16
+
+
+def kv_strides_ok(t: torch.Tensor) -> bool:
+    """kv_strides_fit's test of the strides alone: the last dim contiguous, the other strides
+    multiples of 16 bytes."""
+    return t.stride(-1) == 1 and not any(s * t.element_size() % 16 for s in t.stride()[:-1])
 
 
 def q_strides_fit(t: torch.Tensor) -> bool:
     """Whether the kernels can read q-like tensor ``t`` [rows, heads, head_dim] with 16-byte
-    vector loads: its last dim contiguous, its other strides multiples of 8 elements, its
-    start 16-byte aligned."""
+    vector loads: q_strides_ok, and its start 16-byte aligned."""
+    return q_strides_ok(t) and not t.data_ptr() % 16
+
+
+def q_strides_ok(t: torch.Tensor) -> bool:
+    """q_strides_fit's test of the strides alone: the last dim contiguous, the other strides
+    multiples of 8 elements."""
     s0, s1, s2 = t.stride()
-    return s2 == 1 and not s0 % 8 and not s1 % 8 and not t.data_ptr() % 16
+    return s2 == 1 and not s0 % 8 and not s1 % 8
 
 
 def q_strides_error(name: str, t: torch.Tensor) -> ValueError:

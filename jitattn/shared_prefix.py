@@ -49,7 +49,8 @@ from .merge import merge_state_in_place
 from .plan import check_seq_lens
 from .prefix import multi_item_metadata
 from .render import QUERY_TILES, tiles_for
-from .run_inputs import kv_strides_fit, q_strides_error, q_strides_fit, swapped_hint
+from .run_inputs import (kv_strides_fit, kv_strides_ok, q_strides_error, q_strides_fit,
+                         q_strides_ok, swapped_hint)
 from .spec import Variant
 from .variant_layout import ALLOWED, check_strategy, layout_features
 
@@ -334,10 +335,8 @@ class SharedPrefixPrefill:
         if fit is None:
             if len(self._stride_memo) > 16:  # (a model's layouts are few: a bound only)
                 self._stride_memo.clear()
-            fit = self._stride_memo[key] = key[0][2] == 1 and not (
-                key[0][0] % 8 or key[0][1] % 8) and all(
-                t.stride(-1) == 1 and not any(x * t.element_size() % 16 for x in t.stride()[:-1])
-                for t in (k, v))
+            fit = self._stride_memo[key] = q_strides_ok(q) and kv_strides_ok(k) and \
+                kv_strides_ok(v)
         return fit and not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16)
 
     def _check_inputs(self, q, k, v) -> None:
