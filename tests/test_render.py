@@ -127,6 +127,14 @@ def test_the_shared_prefix_build_compiles_and_is_its_own_kernel(kind, arch, head
 
 
 @needs_nvcc
+@pytest.mark.parametrize("in_tag, out_tag", render.MERGE_COMBOS)
+def test_nvcc_compiles_the_merge_kernels(in_tag, out_tag):
+    src = render.render_merge_cuda(in_tag, out_tag)
+    path, _ = jit.compile_cached(src, "sm_90a")
+    assert path.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_nvcc
 @pytest.mark.parametrize("mask", ["custom", "multi_item"])
 def test_nvcc_compiles_data_masks_on_the_16_row_tiles(mask):
     """Short prefills (every request within 16 packed rows) run the decode kernel, with the
