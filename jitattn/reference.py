@@ -54,6 +54,16 @@ def _check_mask_data(variant: Variant, mask_data: dict | None, params: dict) -> 
                if variant.mask == "custom" else ""))
 
 
+def _check_indptr(name: str, indptr: list, rows: int, what: str, at_most: bool = False) -> None:
+    """ValueError unless indptr starts at 0, never decreases and ends at ``rows`` (at most
+    ``rows`` with at_most)."""
+    if not indptr or indptr[0] != 0 or any(b < a for a, b in zip(indptr, indptr[1:])) or \
+            (indptr[-1] > rows if at_most else indptr[-1] != rows):
+        shown = indptr if len(indptr) <= 12 else indptr[:6] + ["..."] + indptr[-3:]
+        raise ValueError(f"{name} = {shown}: expected 0 first, never decreasing, ending at "
+                         f"{'most ' if at_most else ''}{what} ({rows})")
+
+
 def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_scale=None,
               return_lse=False, mask_data: dict | None = None, **params):
     """Reference of :func:`jitattn.attention`; same arguments, outputs in float64.
@@ -71,6 +81,13 @@ def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_s
     g = hq // hkv
     qo = [0, total_q] if qo_indptr is None else [int(x) for x in qo_indptr.tolist()]
     kv = [0, k.shape[0]] if kv_indptr is None else [int(x) for x in kv_indptr.tolist()]
+    _check_indptr("qo_indptr", qo, total_q, "q's rows")
+    _check_indptr("kv_indptr", kv, k.shape[0], "k's rows")
+    if len(qo) != len(kv) or k.shape != v.shape or hq % max(hkv, 1):
+        raise ValueError(f"reference.attention: {len(qo) - 1} requests in qo_indptr and "
+                         f"{len(kv) - 1} in kv_indptr, q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}: expected as many requests in both, k and v of "
+                         f"one shape, num_qo_heads a multiple of num_kv_heads")
     batch = len(qo) - 1
     sizes = dict(batch_size=batch, num_qo_heads=hq, num_kv_heads=hkv,
                  qo_len=max((qo[i + 1] - qo[i] for i in range(batch)), default=0),
@@ -151,16 +168,34 @@ def paged_to_ragged(kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout
     kv_cache: (k_cache, v_cache) or one [num_pages, 2, ...] tensor; NHD pages are
     [page_size, Hkv, D], HND pages [Hkv, page_size, D]. Request b owns pages
     kv_indices[kv_indptr[b]:kv_indptr[b+1]]; its last page holds kv_last_page_len[b] tokens.
+    Raises ValueError for a kv_layout other than "NHD" / "HND", a kv_indptr that does not start
+    at 0, decreases or runs past kv_indices, a page outside the cache, or a last_page_len
+    outside [1, page_size] (as an HND cache read as NHD usually shows).
     """
     k_cache, v_cache = (kv_cache[:, 0], kv_cache[:, 1]) if isinstance(kv_cache, torch.Tensor) \
         else kv_cache
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout={kv_layout!r}: expected 'NHD' or 'HND'")
+    shape = tuple(k_cache.shape)
     if kv_layout == "HND":
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     page_size = k_cache.shape[1]
     ks, vs, token_indptr = [], [], [0]
     indptr, indices, last = (x.tolist() for x in (kv_indptr, kv_indices, kv_last_page_len))
+    _check_indptr("kv_indptr", indptr, len(indices), "kv_indices' length", at_most=True)
+    if len(last) != len(indptr) - 1:
+        raise ValueError(f"kv_last_page_len has {len(last)} entries; expected one per request "
+                         f"({len(indptr) - 1})")
     for b in range(len(indptr) - 1):
         pages = indices[indptr[b]:indptr[b + 1]]
+        if pages and not 1 <= last[b] <= page_size:
+            hint = " (an HND cache read as NHD? pass kv_layout='HND')" \
+                if kv_layout == "NHD" else ""
+            raise ValueError(f"kv_last_page_len[{b}] = {last[b]}: expected 1..page_size "
+                             f"({page_size} in k_cache's {kv_layout} pages {shape}){hint}")
+        if any(not 0 <= p < k_cache.shape[0] for p in pages):
+            raise ValueError(f"kv_indices of request {b} = {pages}: the cache has "
+                             f"{k_cache.shape[0]} pages (0..{k_cache.shape[0] - 1})")
         n = (len(pages) - 1) * page_size + last[b] if pages else 0
         k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n] if pages else k_cache[:0, 0]
         v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n] if pages else v_cache[:0, 0]

@@ -841,3 +841,36 @@ def test_review_cases_of_grad_subclasses_and_hints():
                                    lse.detach() + math.log(2))
     with pytest.raises(ValueError, match="merge_state_in_place: lse requires grad"):
         ja.merge_state_in_place(empty, lse, empty.clone(), lse.detach().clone())
+
+
+def test_the_reference_refuses_indptrs_and_page_tables_that_do_not_fit():
+    """The oracle took kv_indptr = [0, 5, 50] over 10 keys and an HND cache read as NHD
+    (page_size from its head axis) without a word, and compared kernels with garbage."""
+    from jitattn import reference
+    q, k, v = qkv(total_q=3, total_kv=10)
+    for kw, text in ((dict(qo_indptr=torch.tensor([0, 1, 3]), kv_indptr=torch.tensor([0, 5, 50])),
+                      r"kv_indptr = \[0, 5, 50\].*ending at k's rows \(10\)"),
+                     (dict(qo_indptr=torch.tensor([0, 2])), r"qo_indptr = \[0, 2\].*\(3\)"),
+                     (dict(qo_indptr=torch.tensor([0, 2, 1, 3]), kv_indptr=torch.tensor(
+                         [0, 3, 4, 10])), "never decreasing"),
+                     (dict(qo_indptr=torch.tensor([0, 3]), kv_indptr=torch.tensor([0, 4, 10])),
+                      "1 requests in qo_indptr and 2 in kv_indptr")):
+        with pytest.raises(ValueError, match=text):
+            reference.attention(q, k, v, V, **kw)
+    k_cache = torch.randn(4, 2, 16, 64)  # HND: [pages, heads, page_size, head_dim]
+    tables = (torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([3, 1, 0],
+              dtype=torch.int32), torch.tensor([14, 16], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"kv_last_page_len\[0\] = 14: expected 1..page_size "
+                       r"\(2 in k_cache's NHD pages \(4, 2, 16, 64\)\).*kv_layout='HND'"):
+        reference.paged_to_ragged((k_cache, k_cache), *tables)
+    k, _, tokens = reference.paged_to_ragged((k_cache, k_cache), *tables, kv_layout="HND")
+    assert k.shape == (46, 2, 64) and tokens.tolist() == [0, 30, 46]
+    torch.testing.assert_close(k[:16], k_cache[3].transpose(0, 1))
+    for bad, text in (((tables[0], torch.tensor([3, 9, 0]), tables[2]),
+                       r"request 0 = \[3, 9\]: the cache has 4 pages"),
+                      ((torch.tensor([0, 2, 4]), tables[1], tables[2]), "at most kv_indices"),
+                      ((tables[0], tables[1], torch.tensor([14])), "one per request")):
+        with pytest.raises(ValueError, match=text):
+            reference.paged_to_ragged((k_cache, k_cache), *bad, kv_layout="HND")
+    with pytest.raises(ValueError, match="kv_layout='nhd'"):
+        reference.paged_to_ragged((k_cache, k_cache), *tables, kv_layout="nhd")
