@@ -67,6 +67,9 @@ def not_a_variant(value, wrapper: str | None = None) -> TypeError:
     elif callable(value):
         hint = (" (a score_mod or mask_mod goes into a Variant: jitattn.Variant(score_mod=f, "
                 "mask='none') or jitattn.Variant(mask_mod=f, mask='none'))")
+    elif hasattr(value, "mask_mod") and hasattr(value, "kv_indices"):  # FlexAttention's
+        hint = (" (a FlexAttention BlockMask: its function goes into a Variant, "
+                "jitattn.Variant(mask_mod=block_mask.mask_mod, mask='none'))")
     return TypeError(f"variant must be a jitattn.Variant, got {type(value).__name__}{hint}")
 
 

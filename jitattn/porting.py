@@ -65,7 +65,10 @@ CALL_KEYWORDS_ELSEWHERE = {
     **{name: _FLASHINFER_PLAN[name] for name in ("causal", "window_left", "logits_soft_cap")},
     "is_causal": _FLASHINFER_PLAN["causal"],
     "attn_mask": "the Variant's mask_mod, or mask='custom' with BatchPrefill.plan(custom_mask=)",
-    "block_mask": "the Variant's mask_mod",
+    "block_mask": "the Variant's mask_mod (Variant(mask_mod=block_mask.mask_mod, "
+                  "mask='none'))",
+    "score_mod": "the Variant's (Variant(score_mod=f, mask='none')), not the call's",
+    "mask_mod": "the Variant's (Variant(mask_mod=f, mask='none')), not the call's",
     "enable_gqa": "not needed: q's heads may be a multiple of k's",
     "dropout_p": "not taken: jitattn is inference only",
     "sm_scale": "plan()'s for a planned wrapper (plan(..., sm_scale=))",
@@ -99,9 +102,10 @@ _CTOR_ELSEWHERE = {
 VARIANT_KEYWORDS_ELSEWHERE = {
     "causal": "mask='causal' (the default) or mask='none'",
     "is_causal": "mask='causal' (the default) or mask='none'",
-    "sliding_window": "window_left= sliding_window - 1 (transformers' and FlexAttention's "
-                      "window counts the query's own key; keys with q_idx - kv_idx > "
-                      "window_left are hidden)",
+    "sliding_window": "window_left= (keys with q_idx - kv_idx > window_left are hidden): "
+                      "transformers' sliding_window counts the query's own key, so it is "
+                      "window_left=sliding_window - 1; attention-gym's sliding window W "
+                      "(q_idx - kv_idx <= W) is window_left=W",
     "window_size": f"window_left= ({_WINDOW_SIZE})",
     "logits_soft_cap": "score_mod=ja.soft_cap(cap)",
     "softcap": "score_mod=ja.soft_cap(cap)",

@@ -53,6 +53,13 @@ REDUCTIONS = ("softmax", "sigmoid")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # (fullmatch: "$" takes a final newline)
 
 
+class _DefaultMask(str):
+    """mask= not given: "causal", with a warning where mods alone would mean no mask."""
+
+
+_CAUSAL_BY_DEFAULT = _DefaultMask("causal")
+
+
 class _DerivedName(str):
     """A Variant's name made from its mods' function names, not given: a Variant made from it
     by dataclasses.replace (which passes the name on) derives its own again."""
@@ -75,6 +82,7 @@ class Variant:
         keys j <= kv_len - qo_len + i); ``"custom"`` (an explicit boolean mask per request, given to
         BatchPrefill.plan); ``"multi_item"`` (a shared prefix seen causally plus items that see
         the prefix and, causally, only their own item; metadata given to BatchPrefill.plan).
+        None is refused (FlexAttention's and SDPA's None, no mask, is ``"none"`` here).
     window_left: sliding window, keys with q_idx - kv_idx > window_left are hidden; None or -1
         means unlimited. Inclusive: window_left=0 keeps only the diagonal.
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> float``; score is q.k * sm_scale. Returning
@@ -95,7 +103,7 @@ class Variant:
     """
 
     name: str | None = None
-    mask: Literal["none", "causal", "custom", "multi_item"] | None = None  # None: "causal"
+    mask: Literal["none", "causal", "custom", "multi_item"] = _CAUSAL_BY_DEFAULT
     window_left: int | None = None
     score_mod: Callable | None = None
     mask_mod: Callable | None = None
@@ -125,7 +133,11 @@ class Variant:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise SpecError(f"Variant name={self.name!r}: expected [A-Za-z0-9][A-Za-z0-9_.-]*, "
                             f"at most 64 characters" + _MOD_HINT * callable(self.name))
-        if self.mask is None:
+        if self.mask is None:  # (FlexAttention's and SDPA's None: no mask)
+            raise SpecError("Variant mask=None: expected one of " + str(MASKS) + "; no mask is "
+                            "mask='none' (FlexAttention's block_mask=None, SDPA's "
+                            "attn_mask=None), and leaving mask= out gives the default, 'causal'")
+        if type(self.mask) is _DefaultMask:
             # (FlexAttention's mods alone mean no other mask: a port that keeps jitattn's
             # default would silently hide the keys after the diagonal)
             if self.mask_mod is not None:

@@ -138,6 +138,17 @@ def _binary_op(op):
 _TORCH_NAME = {"truediv": "div", "floordiv": "floor_divide", "mod": "remainder"}
 
 
+def _div(input, other, *, rounding_mode=None):  # noqa: A002 (torch's names)
+    """torch.div / Tensor.div: true division, or floor division with rounding_mode="floor"."""
+    if rounding_mode is None:
+        return operator.truediv(_lift(input), other)
+    if rounding_mode == "floor":
+        return operator.floordiv(_lift(input), other)
+    raise SpecError(f"div(..., rounding_mode={rounding_mode!r}) cannot be traced; "
+                    f"rounding_mode='floor' (or //) can, and a truncating division of ints "
+                    f"is torch.where((a < 0) != (b < 0), -(abs(a) // abs(b)), a // b)")
+
+
 _T = torch.Tensor
 # torch function or tensor method -> what it traces to (Expr.__torch_function__; the methods a
 # traced value is called with are Expr's own, above)
@@ -161,7 +172,7 @@ TORCH_FUNCTIONS = {
     torch.full_like: lambda x, fill_value, *, dtype=None, **k: filled(x, (), fill_value, dtype),
     # a 0-d tensor captured by closure on the left of an operator (temperature * score)
     _T.add: _binary_op(operator.add), _T.sub: _binary_op(operator.sub),
-    _T.mul: _binary_op(operator.mul), _T.div: _binary_op(operator.truediv),
+    _T.mul: _binary_op(operator.mul), _T.div: _div,
     _T.floor_divide: _binary_op(operator.floordiv), _T.remainder: _binary_op(operator.mod),
     _T.pow: _binary_op(operator.pow), _T.lt: _binary_op(operator.lt),
     _T.le: _binary_op(operator.le), _T.gt: _binary_op(operator.gt),
@@ -173,11 +184,12 @@ TORCH_FUNCTIONS = {
 # torch's functional forms of the operators (torch.eq(q_idx, kv_idx), torch.add(score, bias))
 TORCH_FUNCTIONS.update({getattr(torch, name): _binary_op(op) for name, op in (
     ("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
-    ("div", operator.truediv), ("floor_divide", operator.floordiv),
+    ("floor_divide", operator.floordiv),
     ("remainder", operator.mod), ("pow", operator.pow), ("lt", operator.lt),
     ("le", operator.le), ("gt", operator.gt), ("ge", operator.ge), ("eq", operator.eq),
     ("ne", operator.ne))})
 TORCH_FUNCTIONS[torch.neg] = TORCH_FUNCTIONS[_T.neg] = operator.neg
+TORCH_FUNCTIONS[torch.div] = _div
 TORCH_NAMES = {f.__name__ for f in TORCH_FUNCTIONS  # (what the refusal lists)
                if getattr(torch, f.__name__, None) is f}
 # tensor methods a traced value takes through Expr.__getattr__ (q_idx.eq(kv_idx), s.mul(2))

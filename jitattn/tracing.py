@@ -254,7 +254,9 @@ def trace(fn, kind: str) -> Traced:
     bool result). Raises SpecError for anything the DSL cannot express."""
     names = SYMBOLS if kind == "score_mod" else SYMBOLS[1:]
     if not callable(fn):
-        raise SpecError(f"{kind} must be callable, got {type(fn).__name__}")
+        hint = f" (a FlexAttention BlockMask: pass its function, {kind}=block_mask.mask_mod)" \
+            if hasattr(fn, "mask_mod") and hasattr(fn, "kv_indices") else ""
+        raise SpecError(f"{kind} must be callable, got {type(fn).__name__}{hint}")
     label = f"{kind} {getattr(fn, '__name__', fn)!r}"
     try:
         inspect.signature(fn).bind(*names)
@@ -298,8 +300,9 @@ def trace(fn, kind: str) -> Traced:
     finally:
         _LOCAL.tracer = outer
     if returned is not None:
+        none = " (None: is its return statement missing?)" if out is None else ""
         raise SpecError(f"{label} (defined at {src}) returned something other than an "
-                        f"expression: {returned}") from None
+                        f"expression{none}: {returned}") from None
     depth, size = _depth_and_size(out)
     if depth > MAX_DEPTH or size > MAX_OPERATIONS:
         raise SpecError(f"{label} (defined at {src}): the expression is {depth} operations deep "

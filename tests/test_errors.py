@@ -414,7 +414,8 @@ def test_flags_must_be_bools():
     with pytest.raises(TypeError, match=r"return_lse=1: expected True or False"):
         w.run(q[:1], cache, return_lse=1)
     assert len(w.run(q[:1], cache, return_lse=np.bool_(True))) == 2
-    with pytest.raises(ja.SpecError, match=r"returned something other than an expression: "
+    with pytest.raises(ja.SpecError, match=r"returned something other than an expression "
+                                           r"\(None: is its return statement missing\?\): "
                                            r"cannot use NoneType"):
         ja.Variant("none", mask="causal", score_mod=lambda s, b, h, q_idx, kv_idx: None)
 
@@ -874,3 +875,43 @@ def test_the_reference_refuses_indptrs_and_page_tables_that_do_not_fit():
             reference.paged_to_ragged((k_cache, k_cache), *bad, kv_layout="HND")
     with pytest.raises(ValueError, match="kv_layout='nhd'"):
         reference.paged_to_ragged((k_cache, k_cache), *tables, kv_layout="nhd")
+
+
+def test_a_flexattention_users_slips_get_hints():
+    """A trial port from FlexAttention: None as no mask was silently causal, a BlockMask or a
+    call's score_mod= got no hint, torch.div(..., rounding_mode=) did not trace."""
+    q, k = torch.randn(37, 4, 64).half(), torch.randn(37, 2, 64).half()
+    with pytest.raises(ja.SpecError, match=r"mask=None: .* no mask is mask='none'"):
+        ja.Variant(mask=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ja.Variant().mask == "causal"  # (the default, no mods: no warning)
+    with pytest.warns(UserWarning, match="score_mod without mask= is causal"):
+        assert ja.Variant(score_mod=lambda s, b, h, q_idx, kv_idx: s * 2).mask == "causal"
+
+    class BlockMask:  # (FlexAttention's BlockMask: not callable, with these attributes)
+        kv_indices = None
+
+        @staticmethod
+        def mask_mod(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+    with pytest.raises(ja.SpecError, match=r"mask_mod=block_mask.mask_mod"):
+        ja.Variant(mask="none", mask_mod=BlockMask())
+    with pytest.raises(TypeError, match=r"Variant\(mask_mod=block_mask.mask_mod, mask='none'\)"):
+        ja.attention(q, k, k, BlockMask())
+    with pytest.raises(ValueError, match=r"score_mod= is the Variant's \(Variant\(score_mod=f"):
+        ja.attention(q, k, k, V, score_mod=lambda s, b, h, q_idx, kv_idx: s)
+    with pytest.raises(TypeError, match=r"attention-gym's sliding window W .* window_left=W"):
+        ja.Variant(sliding_window=32)
+
+    def floor(score, b, h, q_idx, kv_idx):
+        return score + torch.div(q_idx - kv_idx, 4, rounding_mode="floor") * 0.1
+
+    def slashes(score, b, h, q_idx, kv_idx):
+        return score + ((q_idx - kv_idx) // 4) * 0.1
+    outs = [ja.attention(q, k, k, ja.Variant(mask="none", score_mod=f)) for f in (floor, slashes)]
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    with pytest.raises(ja.SpecError, match=r"rounding_mode='trunc'\) cannot be traced; "
+                                           r"rounding_mode='floor' \(or //\) can"):
+        ja.Variant(mask="none", score_mod=lambda s, b, h, q_idx, kv_idx: s + q_idx.div(
+            3, rounding_mode="trunc"))
