@@ -15,6 +15,7 @@ from .mods import alibi_slopes, soft_cap
 from .rope import RoPE
 from .spec import Variant
 from .build import CompileError
+from .args import CapacityError
 from .api import attention
 from .batch import BatchDecode, BatchPrefill
 from .merge import merge_state, merge_state_in_place, merge_states
@@ -25,7 +26,8 @@ from .cascade_decode import CascadeDecode
 from . import catalog  # the ready-made variants: catalog.builtin()[name].make()
 
 __all__ = [
-    "Variant", "RoPE", "SpecError", "IntOverflowWarning", "CompileError", "attention", "scalar",
+    "Variant", "RoPE", "SpecError", "IntOverflowWarning", "CompileError", "CapacityError",
+    "attention", "scalar",
     "tensor", "where",
     "tanh", "exp", "log", "sigmoid", "minimum", "maximum", "abs", "soft_cap", "alibi_slopes",
     "merge_state", "merge_state_in_place", "merge_states", "BatchPrefill", "BatchDecode",

@@ -181,6 +181,12 @@ _NEEDS = {"max_batch_size": "batch of {n} requests exceeds",
           "max_item_tokens": "{n} item tokens exceed"}
 
 
+class CapacityError(ValueError):
+    """A plan needs more of a capacity given to the wrapper's constructor (max_batch_size,
+    max_num_pages, max_work_items, max_partial_rows, max_mask_bytes, max_item_tokens) than it
+    holds: construct the wrapper with more (or split the batch)."""
+
+
 def over_capacity(capacity: dict, name: str, needed: int) -> str | None:
     """The error message when a batch needs ``needed`` of capacity ``name`` (max_batch_size,
     max_num_pages, max_mask_bytes or max_item_tokens) and ``capacity[name]`` is less, else

@@ -22,8 +22,8 @@ import torch
 
 from . import dtypes, jit, launch, ops
 from . import masks as masks_mod
-from .args import bool_arg, extra_run_args, int_arg, kv_scales, missing_cache, not_a_variant, \
-    planner, reject_run_kwargs, resolve_device, warn_no_grad
+from .args import CapacityError, bool_arg, extra_run_args, int_arg, kv_scales, missing_cache, \
+    not_a_variant, planner, reject_run_kwargs, resolve_device, warn_no_grad
 from .batch_inputs import check_batch
 from .plan import Plan, make_plan
 from .porting import unexpected_keywords
@@ -210,11 +210,11 @@ class BatchPrefill:
             pinned = "" if self._captured_kind is None else (
                 f"; the {rows}-row tiles are those of the kernel a CUDA graph captured, which "
                 f"later plans keep (a wrapper per graph avoids it)")
-            raise ValueError(f"the plan has {plan.num_items} work items, more than "
+            raise CapacityError(f"the plan has {plan.num_items} work items, more than "
                              f"max_work_items={cap['max_work_items']} given to the "
                              f"constructor{pinned}")
         if plan.num_partial_rows > cap["max_partial_rows"]:
-            raise ValueError(f"the plan needs {plan.num_partial_rows} partial rows, more than "
+            raise CapacityError(f"the plan needs {plan.num_partial_rows} partial rows, more than "
                              f"max_partial_rows={cap['max_partial_rows']} given to the "
                              f"constructor (or construct with split_kv=False)")
         # every check has passed: the workspace now changes (run() takes the new plan once

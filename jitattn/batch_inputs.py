@@ -11,7 +11,7 @@ import torch
 
 from . import dtypes
 from . import masks as masks_mod
-from .args import int_arg, over_capacity, shown_value
+from .args import CapacityError, int_arg, over_capacity, shown_value
 from .plan import check_seq_lens
 from .render import HEAD_DIMS
 
@@ -115,7 +115,7 @@ def check_batch(qo, kv_indptr, kv_indices, kv_last_page_len, *, decode: bool, kv
                          ("max_num_pages", 0 if ragged else int(kv[-1]))):
         over = over_capacity(capacity, name, needed)
         if over is not None:
-            raise ValueError(over)
+            raise CapacityError(over)
     # int64: a request listing a page 2**16 times at page_size 2**16 has 2**32 keys, which
     # wrapped in int32 (to 0: an output of zeros; or below 0: the CPU kernel aborted)
     kv_lens = np.where(pages > 0, (pages.astype(np.int64) - 1) * tokens_per_page + last, 0)

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from . import masks as masks_mod
-from .args import extra_run_args, int_arg, missing_cache, over_capacity, planner, warn_no_grad
+from .args import CapacityError, extra_run_args, int_arg, missing_cache, over_capacity, planner, \
+    warn_no_grad
 from .batch import CAPACITY_NAMES, BatchDecode, _cache_tensors
 from .batch_inputs import check_batch
 from .cascade import MultiLevelCascade
@@ -137,7 +138,7 @@ class CascadeDecode(MultiLevelCascade):
             too_many = over_capacity(self.levels[0].capacity, "max_num_pages", shared_pages)
             if too_many:  # (the first level's plan would blame the batch)
                 took = "" if self.strategy == "cascade" else ", which took the cascade"
-                raise ValueError(f"strategy {self.strategy!r}{took}: the shared prefix "
+                raise CapacityError(f"strategy {self.strategy!r}{took}: the shared prefix "
                                  f"(shared_kv_indices, {shared_pages} pages) is the first "
                                  f"level's batch, and {too_many}")
             self.levels[0].plan(torch.tensor([0, batch], **i32),
@@ -184,7 +185,7 @@ class CascadeDecode(MultiLevelCascade):
         own_pages = int(indptr[-1])
         too_many = over_capacity(self.plain.capacity, "max_num_pages", batch * n + own_pages)
         if too_many:
-            raise ValueError(f"strategy 'plain': {too_many} (plain decode lists the prefix's "
+            raise CapacityError(f"strategy 'plain': {too_many} (plain decode lists the prefix's "
                              f"{n} pages in each of the {batch} requests' tables, before their "
                              f"own {own_pages})")
         own = torch.diff(indptr)

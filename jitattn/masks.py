@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .args import over_capacity
+from .args import CapacityError, over_capacity
 
 
 def host_int32(name: str, t, *, allow_empty: bool = False) -> np.ndarray:
@@ -92,7 +92,7 @@ def mask_arrays(mode: str, masks: dict, qo_lens, kv_lens, cap: dict) -> dict:
                              "packed_custom_mask + mask_indptr")
         over = over_capacity(cap, "max_mask_bytes", len(bits))
         if over is not None:
-            raise ValueError(over)
+            raise CapacityError(over)
         return {"mask_offsets": offsets[:-1], "bits": bits}
     if mode == "multi_item":
         missing = {"prefix_len", "token_pos_in_items", "max_item_len"} - given
@@ -129,7 +129,7 @@ def mask_arrays(mode: str, masks: dict, qo_lens, kv_lens, cap: dict) -> dict:
                                  f"{offsets[b] + at} of the tensor) is {seg[at]}")
         over = over_capacity(cap, "max_item_tokens", len(pos))
         if over is not None:
-            raise ValueError(over)
+            raise CapacityError(over)
         return {"prefix": prefix, "pos_offsets": offsets[:-1], "max_item": max_item,
                 "pos": pos}
     return {}

@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from . import launch, ops, tune
-from .args import bool_arg, int_arg, not_a_variant, over_capacity, planner, reject_run_kwargs, \
-    resolve_device, warn_no_grad
+from .args import CapacityError, bool_arg, int_arg, not_a_variant, over_capacity, planner, \
+    reject_run_kwargs, resolve_device, warn_no_grad
 from .batch import CAPACITY_MINIMUMS, CAPACITY_NAMES, BatchPrefill
 from .merge import merge_state_in_place
 from .plan import check_seq_lens
@@ -162,30 +162,34 @@ class SharedPrefixPrefill:
         "ragged"; "naive" for variants that ragged would change; when none of those fits the
         capacities, the first other exact strategy that does (multi_item and custom_mask plan
         the batch as one request). Raises as plan() for arguments it would refuse."""
-        return self._choose(*_batch_args(prefix_len, suffix_lens, num_qo_heads, num_kv_heads,
-                                         head_dim))
+        return self._candidates(*_batch_args(prefix_len, suffix_lens, num_qo_heads,
+                                             num_kv_heads, head_dim))[0]
 
-    def _choose(self, prefix_len: int, suffix_lens: list, num_qo_heads: int, num_kv_heads: int,
-                head_dim: int) -> str:
-        """choose() of checked arguments (_batch_args)."""
+    def _candidates(self, prefix_len: int, suffix_lens: list, num_qo_heads: int,
+                    num_kv_heads: int, head_dim: int) -> list:
+        """The strategies auto takes for checked arguments (_batch_args), best first; choose()
+        is the first. Those that fit the capacities plan() can foresee, the measured pick
+        first, then the rule's order; plan() tries them in turn where a schedule needs more
+        work items or partial rows than the wrappers hold. When none fits, the rule's first
+        alone (its plan() names the capacity)."""
         m, longest = len(suffix_lens), max(suffix_lens)
         features = layout_features(self.variant)
-        table = tune.load(tune.device_key(self.device))
-        if table is not None and (table["num_qo_heads"], table["num_kv_heads"],
-                                  table["head_dim"]) == (num_qo_heads, num_kv_heads, head_dim):
-            exact = [s for s in STRATEGIES if not features - ALLOWED[s] and
-                     self._fits(s, prefix_len, suffix_lens)]
-            measured = tune.lookup(table, prefix_len, longest, m, exact)
-            if measured is not None:
-                return measured
         group = num_qo_heads // max(1, num_kv_heads)
         tile_rows = tiles_for("prefill", head_dim).rows_per_cta("prefill")
         order = ["ragged", "naive", "cascade"]  # the rule's preference, exact ones only
         if prefix_len >= 1024 and m >= 8 and longest * group <= tile_rows // 2:
             order.insert(0, "cascade")
         exact = [s for s in dict.fromkeys(order + list(STRATEGIES)) if not features - ALLOWED[s]]
-        # the first that fits the capacities (else the first: its plan() names the capacity)
-        return next((s for s in exact if self._fits(s, prefix_len, suffix_lens)), exact[0])
+        fitting = [s for s in exact if self._fits(s, prefix_len, suffix_lens)]
+        table = tune.load(tune.device_key(self.device))
+        if fitting and table is not None and (table["num_qo_heads"], table["num_kv_heads"],
+                                              table["head_dim"]) == (num_qo_heads, num_kv_heads,
+                                                                     head_dim):
+            measured = tune.lookup(table, prefix_len, longest, m, fitting)
+            if measured is not None:
+                fitting.remove(measured)
+                fitting.insert(0, measured)
+        return fitting or exact[:1]
 
     def _fits(self, strategy: str, prefix_len: int, suffix_lens) -> bool:
         return self._over_capacity(strategy, prefix_len, suffix_lens) is None
@@ -224,8 +228,24 @@ class SharedPrefixPrefill:
         suffix has no token."""
         prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim = _batch_args(
             prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim)
-        strategy = self._choose(prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim) \
-            if self.strategy == "auto" else self.strategy
+        heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     q_dtype=q_dtype, sm_scale=sm_scale)
+        if self.strategy != "auto":
+            return self._plan_strategy(self.strategy, prefix_len, suffix_lens, heads)
+        tried = self._candidates(prefix_len, suffix_lens, num_qo_heads, num_kv_heads, head_dim)
+        errors = []
+        for strategy in tried:
+            try:
+                return self._plan_strategy(strategy, prefix_len, suffix_lens, heads)
+            except CapacityError as e:  # (work items or partial rows: the next one's turn)
+                errors.append(str(e))
+        raise CapacityError("strategy 'auto': no strategy fits the capacities given to the "
+                            "constructor; " + "; ".join(errors))
+
+    def _plan_strategy(self, strategy: str, prefix_len: int, suffix_lens: list,
+                       heads: dict) -> str:
+        """plan() of checked arguments with ``strategy``; CapacityError (a ValueError) for a
+        capacity its plans exceed, naming the strategy."""
         p, s = prefix_len, suffix_lens
         # before any per-token array is built (P = 2**30 allocated 8 GiB before the length
         # check, custom_mask a dense (P + S)**2 mask before the max_mask_bytes check)
@@ -233,10 +253,15 @@ class SharedPrefixPrefill:
         check_seq_lens(longest, longest)
         over = self._over_capacity(strategy, p, s)
         if over is not None:
-            raise ValueError(f"strategy {strategy!r}: {over}")
+            raise CapacityError(f"strategy {strategy!r}: {over}")
+        try:
+            return self._plan_steps(strategy, p, s, heads)
+        except CapacityError as e:
+            raise CapacityError(f"strategy {strategy!r}: {e}") from None
+
+    def _plan_steps(self, strategy: str, p: int, s: list, heads: dict) -> str:
+        """_plan_strategy's steps: each step's wrapper planned, the run's steps stored."""
         starts = p + np.concatenate([[0], np.cumsum(s)[:-1]])   # suffix i's first token
-        heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     q_dtype=q_dtype, sm_scale=sm_scale)
         prefix_ids = np.arange(p)
         own = [np.arange(a, a + n) for a, n in zip(starts, s)]
         # (wrapper name, rows: slice of the layout or index tensors, kind, keys: None for a
@@ -323,8 +348,8 @@ class SharedPrefixPrefill:
         self._single = steps[0][0] if len(steps) == 1 and steps[0][1:] == (
             whole, "direct", whole) else None
         self._planned = dict(total=total, heads=heads, strategy=strategy, shapes=(
-            torch.Size((total, num_qo_heads, head_dim)),
-            torch.Size((total, num_kv_heads, head_dim)), q_dtype))
+            torch.Size((total, heads["num_qo_heads"], heads["head_dim"])),
+            torch.Size((total, heads["num_kv_heads"], heads["head_dim"])), heads["q_dtype"]))
         return strategy
 
     def _strides_fit(self, q, k, v) -> bool:

@@ -328,3 +328,26 @@ def test_run_with_and_without_output_buffers_agree(strategy):
     strided = torch.randn(52, 8, 64, generator=gen).half()[:, ::2].copy_(q)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
     assert torch.equal(sp.run(strided, k, v), out) and not lse.isnan().any()
+
+
+def test_auto_takes_the_next_strategy_when_a_schedule_exceeds_the_work_items():
+    """auto planned its pick (ragged, 10 work items) and raised for max_work_items=6, though
+    other strategies' schedules fit; the work items depend on the schedule, which only a plan
+    knows, so auto now plans its candidates in turn."""
+    variant = ja.Variant("auto_items", mask="causal")
+    sp = SharedPrefixPrefill(variant, "auto", device="cpu", max_work_items=6)
+    assert sp.choose(64, [3, 5, 2], 8, 2, 64) == "ragged"
+    chosen = sp.plan(64, [3, 5, 2], 8, 2, 64)
+    assert chosen != "ragged"
+    with pytest.raises(ja.CapacityError, match=r"strategy 'ragged': the plan has \d+ work "
+                                               r"items, more than max_work_items=6"):
+        SharedPrefixPrefill(variant, "ragged", device="cpu", max_work_items=6).plan(
+            64, [3, 5, 2], 8, 2, 64)
+    q, k, v = _layout(64, [3, 5, 2], 8, 2, 64, torch.float16, seed=5)
+    torch.testing.assert_close(sp.run(q, k, v),
+                               _per_request_reference(variant, q, k, v, 64, [3, 5, 2]),
+                               **TOL[torch.float16])
+    with pytest.raises(ja.CapacityError, match=r"strategy 'auto': no strategy fits .*strategy "
+                                               r"'ragged': .*strategy 'cascade': "):
+        SharedPrefixPrefill(variant, "auto", device="cpu", max_work_items=1).plan(
+            64, [3, 5, 2], 8, 2, 64)
