@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import launch, ops
-from .args import bool_arg, extra_run_args, int_arg, missing_cache, not_a_variant, \
+from .args import CapacityError, bool_arg, extra_run_args, int_arg, missing_cache, not_a_variant, \
     planner, reject_run_kwargs, resolve_device, warn_no_grad
 from .batch import CAPACITY_NAMES, BatchPrefill, _cache_tensors, page_size_arg
 from .merge import merge_states_into
@@ -94,6 +94,10 @@ class MultiLevelCascade:
         """Plan every level. qo_indptr, kv_indptr, kv_indices, kv_last_page_len: one int32
         tensor per level, as for BatchPrefill.plan. q_rows: per level, the rows of q its
         queries are (int tensor, length qo_indptr[-1]); default: rows 0 .. qo_indptr[-1] - 1.
+        With kv_layout="ragged" (kv_indices and kv_last_page_len None) every level reads the
+        one k / v from its row 0 (kv_indptr[i][0] must be 0): a level whose keys start at row
+        a > 0 lists first a request of no queries over rows 0 .. a - 1 (qo_indptr [0, 0, ...],
+        kv_indptr [0, a, ...]).
         """
         n = len(self.levels)
         for name, arg in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
@@ -115,7 +119,7 @@ class MultiLevelCascade:
                            num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
                            sm_scale=sm_scale)
             except (TypeError, ValueError) as e:  # the level's arguments are entry i of ours
-                if type(e) not in (TypeError, ValueError):
+                if type(e) not in (TypeError, ValueError, CapacityError):
                     raise  # (a subclass's constructor may take other arguments)
                 raise type(e)(f"level {i}: {e}") from e
             rows.append(self._level_rows(i, int(qo_indptr[i][-1]), q_rows))
@@ -228,18 +232,23 @@ class MultiLevelCascade:
         o_levels = torch.empty((n, *q.shape), dtype=q.dtype, device=q.device)
         lse_levels = torch.empty((n, *q.shape[:2]), dtype=torch.float32, device=q.device)
         # each level's slab: one unbind for all (each view op costs host time per layer)
-        for level, rows, o, s in zip(self.levels, self._rows, o_levels.unbind(0),
-                                     lse_levels.unbind(0)):
-            if isinstance(rows, slice) and rows.start == 0 and rows.stop == total:
-                level.run(q, kv_cache, out=o, lse=s, **params)  # every row: no slicing
-                continue
-            o.zero_()  # rows this level does not cover are empty states
-            s.fill_(float("-inf"))
-            if isinstance(rows, slice):
-                level.run(q[rows], kv_cache, out=o[rows], lse=s[rows], **params)
-            else:
-                o[rows], s[rows] = level.run(q[rows].contiguous(), kv_cache,
-                                             return_lse=True, **params)
+        for i, (level, rows, o, s) in enumerate(zip(self.levels, self._rows, o_levels.unbind(0),
+                                                    lse_levels.unbind(0))):
+            try:
+                if isinstance(rows, slice) and rows.start == 0 and rows.stop == total:
+                    level.run(q, kv_cache, out=o, lse=s, **params)  # every row: no slicing
+                    continue
+                o.zero_()  # rows this level does not cover are empty states
+                s.fill_(float("-inf"))
+                if isinstance(rows, slice):
+                    level.run(q[rows], kv_cache, out=o[rows], lse=s[rows], **params)
+                else:
+                    o[rows], s[rows] = level.run(q[rows].contiguous(), kv_cache,
+                                                 return_lse=True, **params)
+            except (TypeError, ValueError) as e:  # (a page past the cache: which level's)
+                if type(e) not in (TypeError, ValueError, CapacityError):
+                    raise
+                raise type(e)(f"level {i}: {e}") from e
         merge_states_into(o_levels, lse_levels, out, lse, self.variant.reduction)
         return (out, lse) if return_lse else out
 

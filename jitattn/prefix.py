@@ -139,7 +139,9 @@ class PrefixTrie:
 
     def match(self, tokens: Sequence[int]) -> int:
         """Number of leading tokens of ``tokens`` found in the trie (a multiple of the block
-        size)."""
+        size), up to all of them: a prefix cache that reuses that many tokens' K / V still has
+        to prefill at least the last token (for its output), as find_shared_prefixes, which
+        never shares a request's last token, does."""
         node, matched = self.root, 0
         for h in block_hashes(tokens, self.block_size):
             node = node.children.get(h)

@@ -161,8 +161,10 @@ class RunInputs:
                                  f"strides multiples of 16 bytes, a 16-byte aligned pointer")
             if self.max_page >= c.shape[0]:
                 unit = "token" if self.kv_layout == "ragged" else "page"
-                where = " (kv_indptr[-1] - 1, or the last row of a shared prefix: " \
-                    "shared_prefix_start + shared_prefix_len - 1)" if self.shared_prefixes else ""
+                where = (" (kv_indptr[-1] - 1, or the last row of a shared prefix: "
+                         "shared_prefix_start + shared_prefix_len - 1)" if self.shared_prefixes
+                         else " (kv_indptr[-1] - 1)") if self.kv_layout == "ragged" else \
+                    " (the largest entry of plan()'s kv_indices)"
                 raise ValueError(f"the plan refers to {unit} {self.max_page}{where} but {name} "
                                  f"has {c.shape[0]} {unit}s (dim 0)")
         if not q_strides_fit(q):

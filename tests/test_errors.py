@@ -585,9 +585,19 @@ def test_a_wrapper_on_cpu_0_names_the_real_problem():
                 torch.tensor([3], **i32), 8, 2, 64)
     q = torch.randn(1, 8, 64).half()
     cache = torch.randn(2, 4, 2, 64).half()
-    with pytest.raises(ValueError, match="the plan refers to page 1 but k_cache has 1 pages"):
+    with pytest.raises(ValueError, match=r"the plan refers to page 1 \(the largest entry of "
+                                         r"plan\(\)'s kv_indices\) but k_cache has 1 pages"):
         decode.run(q, (cache[:1], cache))
     assert decode.run(q, (cache, cache)).shape == q.shape
+    # a level of a cascade says which (a page past the cache was only caught at run())
+    mlc = ja.MultiLevelCascade(ja.Variant("c", mask="causal"), 2, page_size=4, device="cpu")
+    one = torch.tensor([0, 1], **i32)
+    mlc.plan([one, one], [one, one], [torch.tensor([0], **i32), torch.tensor([1], **i32)],
+             [torch.tensor([4], **i32), torch.tensor([2], **i32)], 8, 2, 64)
+    with pytest.raises(ValueError, match=r"level 1: the plan refers to page 1 \(the largest "
+                                         r"entry of plan\(\)'s kv_indices\) but k_cache"):
+        mlc.run(q, (cache[:1], cache[:1]))
+    assert mlc.run(q, (cache, cache)).shape == q.shape
 
 
 def test_index_tensors_and_request_containers_are_named_when_refused():
