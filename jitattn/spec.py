@@ -335,10 +335,11 @@ class Variant:
                 # qo_len == kv_len, "num_kv_heads" for h only without GQA)
                 param = tensors.get(name)
                 need, declared = _INDEX_SIZE[sym], param and param.shape[dim]
-                hint = f"; declare dimension {dim} {need!r}, not {declared!r}" + (
-                    " (q_idx is a query's position in its request's KV, kv_len - qo_len + i)"
-                    if sym == "q_idx" else " (h is the query head)" if sym == "h" else "") \
+                hint = f"; declare dimension {dim} {need!r}, not {declared!r}" \
                     if isinstance(declared, str) and declared != need else ""
+                hint += " (q_idx is a query's position in its request's KV, kv_len - qo_len + " \
+                    "i: end-aligned)" if sym == "q_idx" else " (h is the query head)" \
+                    if sym == "h" and hint else ""
                 raise ValueError(
                     f"tensor {param.display if param else name!r} (shape {tuple(t.shape)}) is "
                     f"indexed by {sym} in dimension {dim}, which reaches {extent[sym] - 1}: that "
