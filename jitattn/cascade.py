@@ -38,6 +38,7 @@ class MultiLevelCascade:
     _LEVEL_KEYWORDS = CAPACITY_NAMES + ("split_kv", "query_tile")  # passed on to the levels
     _CALL = "{cls}(variant, num_levels, "  # the constructor's call up to page_size (hints)
     PLAN_PER_LEVEL = True  # plan() takes a list per page-table argument (porting's hints)
+    _LEVEL_NAMES: tuple = ()  # what run()'s errors call level i (else "level i")
 
     def _refuse_unknown(self, capacities: dict) -> None:
         """TypeError for constructor keywords that are neither parameters nor the levels'
@@ -248,7 +249,8 @@ class MultiLevelCascade:
             except (TypeError, ValueError) as e:  # (a page past the cache: which level's)
                 if type(e) not in (TypeError, ValueError, CapacityError):
                     raise
-                raise type(e)(f"level {i}: {e}") from e
+                raise type(e)(f"{self._LEVEL_NAMES[i] if self._LEVEL_NAMES else f'level {i}'}: "
+                              f"{e}") from e
         merge_states_into(o_levels, lse_levels, out, lse, self.variant.reduction)
         return (out, lse) if return_lse else out
 

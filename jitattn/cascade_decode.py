@@ -45,6 +45,9 @@ class CascadeDecode(MultiLevelCascade):
     plan either way. A CUDA graph captures the launches of one strategy: to replay it after
     new plans, fix the strategy ("cascade" or "plain"), since "auto" may switch between them."""
 
+    _LEVEL_NAMES = ("the shared level (shared_kv_indices)", "the requests' own level "
+                    "(unique_kv_indices)")
+
     _LEVEL_KEYWORDS = CAPACITY_NAMES + ("split_kv",)  # (decode: no query_tile)
     _CALL = "{cls}(variant, "
     PLAN_PER_LEVEL = False

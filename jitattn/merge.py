@@ -5,8 +5,9 @@ and B, with (o_A, lse_A) and (o_B, lse_B) the attention of the same queries over
 m = max(lse_A, lse_B), a = exp(lse_A - m), b = exp(lse_B - m),
 o = (a o_A + b o_B) / (a + b), lse = m + log(a + b). The merge is exact, associative and
 commutative; an empty state (o = 0, lse = -inf) is the identity and merging two empty states
-gives (0, -inf), never NaN. States with lse = +inf outweigh every finite one: they share the
-row equally (the limit of the weights' ratios; lse +inf), where exp(inf - inf) would give NaN.
+gives (0, -inf), never NaN. A state with lse = +inf outweighs every finite one: it takes the
+row (the limit of the weights' ratios; lse +inf), where exp(inf - inf) would give NaN; two or
+more at +inf have no limit: o is NaN (lse +inf), in any grouping of the merges.
 Sigmoid (unnormalised) attention merges by addition:
 o = o_A + o_B (lse then reports log(exp(lse_A) + exp(lse_B))).
 """

@@ -78,16 +78,16 @@ def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_s
     _check_mask_data(variant, mask_data, params)
     total_q, hq, d = q.shape
     hkv = k.shape[1]
-    g = hq // hkv
     qo = [0, total_q] if qo_indptr is None else [int(x) for x in qo_indptr.tolist()]
     kv = [0, k.shape[0]] if kv_indptr is None else [int(x) for x in kv_indptr.tolist()]
     _check_indptr("qo_indptr", qo, total_q, "q's rows")
     _check_indptr("kv_indptr", kv, k.shape[0], "k's rows")
-    if len(qo) != len(kv) or k.shape != v.shape or hq % max(hkv, 1):
+    if len(qo) != len(kv) or k.shape != v.shape or not hkv or hq % hkv:
         raise ValueError(f"reference.attention: {len(qo) - 1} requests in qo_indptr and "
                          f"{len(kv) - 1} in kv_indptr, q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}: expected as many requests in both, k and v of "
                          f"one shape, num_qo_heads a multiple of num_kv_heads")
+    g = hq // hkv
     batch = len(qo) - 1
     sizes = dict(batch_size=batch, num_qo_heads=hq, num_kv_heads=hkv,
                  qo_len=max((qo[i + 1] - qo[i] for i in range(batch)), default=0),

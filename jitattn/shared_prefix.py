@@ -148,7 +148,9 @@ class SharedPrefixPrefill:
 
     def choose(self, prefix_len: int, suffix_lens, num_qo_heads: int = 1,
                num_kv_heads: int = 1, head_dim: int = 128) -> str:
-        """The strategy "auto" takes for this batch. With a table measured by ``jitattn tune``
+        """The strategy "auto" tries first for this batch (plan() returns the one it took: the
+        next that fits where a schedule needs more work items or partial rows than the
+        wrappers hold). With a table measured by ``jitattn tune``
         on this device for this head configuration: the fastest exact strategy that fits the
         capacities, at the nearest measured cell within tune.MAX_LOG2_DISTANCE (tune.lookup);
         the table's dtype (fp16 from the command) stands for both 16-bit dtypes, whose kernels
@@ -237,7 +239,10 @@ class SharedPrefixPrefill:
         for strategy in tried:
             try:
                 return self._plan_strategy(strategy, prefix_len, suffix_lens, heads)
-            except CapacityError as e:  # (work items or partial rows: the next one's turn)
+            except ValueError as e:  # (work items or partial rows: the next one's turn)
+                if not errors and type(e) is not CapacityError or any(
+                        w._captured_kind is not None for w in self._wrappers.values()):
+                    raise  # (the batch's own error; or a CUDA graph replays these wrappers)
                 errors.append(str(e))
         raise CapacityError("strategy 'auto': no strategy fits the capacities given to the "
                             "constructor; " + "; ".join(errors))

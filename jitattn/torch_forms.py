@@ -149,6 +149,9 @@ def _div(input, other, *, rounding_mode=None):  # noqa: A002 (torch's names)
                     f"is torch.where((a < 0) != (b < 0), -(abs(a) // abs(b)), a // b)")
 
 
+_div.__name__ = _div.__qualname__ = "div"  # (torch's name, in Python's errors about its call)
+
+
 _T = torch.Tensor
 # torch function or tensor method -> what it traces to (Expr.__torch_function__; the methods a
 # traced value is called with are Expr's own, above)

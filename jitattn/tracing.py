@@ -254,7 +254,8 @@ def trace(fn, kind: str) -> Traced:
     bool result). Raises SpecError for anything the DSL cannot express."""
     names = SYMBOLS if kind == "score_mod" else SYMBOLS[1:]
     if not callable(fn):
-        hint = f" (a FlexAttention BlockMask: pass its function, {kind}=block_mask.mask_mod)" \
+        hint = " (a FlexAttention BlockMask: pass its function, mask_mod=block_mask.mask_mod" + \
+            (", a mask, not a score_mod)" if kind == "score_mod" else ")") \
             if hasattr(fn, "mask_mod") and hasattr(fn, "kv_indices") else ""
         raise SpecError(f"{kind} must be callable, got {type(fn).__name__}{hint}")
     label = f"{kind} {getattr(fn, '__name__', fn)!r}"

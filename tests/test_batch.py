@@ -218,7 +218,8 @@ def test_run_checks_against_the_plan():
         w.run(q.bfloat16(), tuple(c.bfloat16() for c in kv_cache))
     with pytest.raises(ValueError, match="k_cache has shape"):
         w.run(q, (kv_cache[0][..., :32].contiguous(), kv_cache[1]))
-    with pytest.raises(ValueError, match=r"refers to page \d+ but k_cache has 2 pages"):
+    with pytest.raises(ValueError, match=r"refers to page \d+ .*kv_indices\) but k_cache has "
+                                         r"2 pages"):
         w.run(q, (kv_cache[0][:2].contiguous(), kv_cache[1][:2].contiguous()))
     with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):  # (was: shape ())
         w.run(q.tolist(), kv_cache)

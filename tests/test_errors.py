@@ -598,6 +598,13 @@ def test_a_wrapper_on_cpu_0_names_the_real_problem():
                                          r"entry of plan\(\)'s kv_indices\) but k_cache"):
         mlc.run(q, (cache[:1], cache[:1]))
     assert mlc.run(q, (cache, cache)).shape == q.shape
+    cd = ja.CascadeDecode(ja.Variant("c", mask="causal"), page_size=4, strategy="cascade",
+                          device="cpu")
+    cd.plan(torch.tensor([0], **i32), 4, one, torch.tensor([1], **i32),
+            torch.tensor([2], **i32), 8, 2, 64)
+    with pytest.raises(ValueError, match=r"the requests' own level \(unique_kv_indices\): the "
+                                         r"plan refers to page 1"):
+        cd.run(q, (cache[:1], cache[:1]))
 
 
 def test_index_tensors_and_request_containers_are_named_when_refused():
@@ -905,8 +912,10 @@ def test_a_flexattention_users_slips_get_hints():
         @staticmethod
         def mask_mod(b, h, q_idx, kv_idx):
             return q_idx >= kv_idx
-    with pytest.raises(ja.SpecError, match=r"mask_mod=block_mask.mask_mod"):
+    with pytest.raises(ja.SpecError, match=r"mask_mod=block_mask.mask_mod\)"):
         ja.Variant(mask="none", mask_mod=BlockMask())
+    with pytest.raises(ja.SpecError, match=r"mask_mod=block_mask.mask_mod, a mask, not a "):
+        ja.Variant(mask="none", score_mod=BlockMask())
     with pytest.raises(TypeError, match=r"Variant\(mask_mod=block_mask.mask_mod, mask='none'\)"):
         ja.attention(q, k, k, BlockMask())
     with pytest.raises(ValueError, match=r"score_mod= is the Variant's \(Variant\(score_mod=f"):
@@ -925,3 +934,6 @@ def test_a_flexattention_users_slips_get_hints():
                                            r"rounding_mode='floor' \(or //\) can"):
         ja.Variant(mask="none", score_mod=lambda s, b, h, q_idx, kv_idx: s + q_idx.div(
             3, rounding_mode="trunc"))
+    with pytest.raises(ja.SpecError, match=r"div\(\) got an unexpected keyword argument 'out'"):
+        ja.Variant(mask="none", score_mod=lambda s, b, h, q_idx, kv_idx: s + torch.div(
+            q_idx, 2, out=None))

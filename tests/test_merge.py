@@ -72,27 +72,31 @@ def test_nan_lse_propagates_and_an_empty_states_o_is_not_read(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_states_at_plus_inf_outweigh_finite_ones_without_nan(device):
-    """exp(lse - max) with max = +inf was exp(inf - inf) = NaN for every state of the row."""
+def test_a_state_at_plus_inf_takes_the_row_and_two_make_it_nan_in_any_grouping(device):
+    """exp(lse - max) with max = +inf was exp(inf - inf) = NaN for every state of the row; one
+    state at +inf is the limit (its o), two or more have none (o NaN, whatever the grouping:
+    an equal share depended on it)."""
     gen = torch.Generator().manual_seed(11)
     o = torch.randn(3, 4, 2, 64, generator=gen).to(device)
     lse = torch.randn(3, 4, 2, generator=gen).to(device)
     lse[1, 0, 0] = math.inf                            # one state at +inf: the row is its o
-    lse[0, 1, 1] = lse[2, 1, 1] = math.inf             # two: their mean
+    lse[0, 1, 1] = lse[2, 1, 1] = math.inf             # two: no limit
     lse[0, 2, 0], lse[1, 2, 0] = math.inf, -math.inf   # +inf beside an empty state
     o[1, 2, 0] = math.nan                              # (the empty state's o is not read)
     m_o, m_lse = ja.merge_states(o, lse)
     torch.testing.assert_close(m_o[0, 0], o[1, 0, 0])
-    torch.testing.assert_close(m_o[1, 1], (o[0, 1, 1] + o[2, 1, 1]) / 2)
     torch.testing.assert_close(m_o[2, 0], o[0, 2, 0])
-    assert (m_lse[[0, 1, 2], [0, 1, 0]] == math.inf).all() and not m_o.isnan().any()
+    assert m_o[1, 1].isnan().all() and (m_lse[[0, 1, 2], [0, 1, 0]] == math.inf).all()
     finite = torch.ones(4, 2, dtype=torch.bool)
     finite[0, 0] = finite[1, 1] = finite[2, 0] = False
-    want_lse = torch.logsumexp(lse, 0)
-    torch.testing.assert_close(m_lse[finite], want_lse[finite])
-    p_o, p_lse = ja.merge_state(o[0], lse[0], o[2], lse[2])
-    torch.testing.assert_close(p_o[1, 1], (o[0, 1, 1] + o[2, 1, 1]) / 2)
-    assert p_lse[1, 1] == math.inf and not p_o.isnan().any()
+    torch.testing.assert_close(m_lse[finite], torch.logsumexp(lse, 0)[finite])
+    assert not m_o[finite].isnan().any() and not m_o[0, 0].isnan().any()
+    # pairs in either grouping agree with the stacked merge
+    for first, second, third in ((0, 1, 2), (1, 2, 0), (2, 0, 1)):
+        p_o, p_lse = ja.merge_state(o[first], lse[first], o[second], lse[second])
+        p_o, p_lse = ja.merge_state(p_o, p_lse, o[third], lse[third])
+        torch.testing.assert_close(p_o, m_o, equal_nan=True)
+        torch.testing.assert_close(p_lse, m_lse)
 
 
 @pytest.mark.parametrize("device", DEVICES)
