@@ -155,7 +155,8 @@ def build(src: RenderedSource, out_dir: Path, *, arch: str | None = None) -> Pat
     _write(out_dir / "build.ninja", _ninja_file(src, tool, flags(src.lang, arch)))
     command = f"{ninja} -C {out_dir}"
     started = time.perf_counter()
-    proc = subprocess.run([ninja, "-C", str(out_dir)], capture_output=True, text=True)
+    proc = subprocess.run([ninja, "-C", str(out_dir)], capture_output=True, text=True,
+                          errors="replace")  # (a path that is not UTF-8 comes back in the log)
     if proc.returncode != 0:
         log = proc.stdout + proc.stderr
         raise CompileError(_first_error(log), path=source_path, log=log, command=command,
@@ -169,7 +170,8 @@ def build(src: RenderedSource, out_dir: Path, *, arch: str | None = None) -> Pat
                            f"{binary.name}", path=source_path, log=proc.stdout + proc.stderr,
                            command=command)
     with contextlib.suppress(OSError):  # (a record of the build; the binary does not need it)
-        (out_dir / "build.log").write_text(f"{command}\n{elapsed:.2f} s\n{proc.stdout}")
+        (out_dir / "build.log").write_text(f"{command}\n{elapsed:.2f} s\n{proc.stdout}",
+                                           errors="surrogateescape")  # (the path's own bytes)
     return binary
 
 

@@ -71,6 +71,8 @@ _STAGING_NAME = re.compile(rf"\.tmp-(?P<key>{_KEY})-\d+-[0-9a-f]{{8}}")  # stagi
 
 def _meta(folder: Path) -> dict:
     """An entry's meta.json as a dict; ValueError when it is not one (or unreadable)."""
+    if not (folder / "meta.json").is_file():  # (a FIFO there blocked every reader)
+        raise ValueError("meta.json is not a regular file")
     try:
         meta = json.loads((folder / "meta.json").read_text())
     except OSError as e:
@@ -184,7 +186,10 @@ class Cache:
                             key)
             return None
         try:
-            ok = _sha256(binary) == _meta(folder)["sha256"]
+            meta = _meta(folder)
+            # (an entry copied from another key's folder holds another kernel; a FIFO in
+            # place of the binary blocked the read)
+            ok = meta.get("key") == key and binary.is_file() and _sha256(binary) == meta["sha256"]
             if ok and root == self.read_only:
                 untrusted = [p for p in (folder, binary, folder / "meta.json")
                              if not _trusted_read_only(p)]
@@ -196,7 +201,8 @@ class Cache:
             ok = False
         if not ok:
             if not quiet:
-                log.warning("jitattn: cache entry %s failed its checksum; rebuilding", key)
+                log.warning("jitattn: cache entry %s failed its checksum (or records another "
+                            "key); rebuilding", key)
             return None
         return binary
 
@@ -215,7 +221,10 @@ class Cache:
         Call with the key's lock held."""
         meta = {"key": key, "sha256": _sha256(staged / binary_name), "created": time.time(),
                 **info}
-        (staged / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            (staged / "meta.json").write_text(json.dumps(meta, indent=1))
+        except OSError as e:  # (a full disk: named, for the caller's message)
+            raise OSError(e.errno, e.strerror, str(staged / "meta.json")) from e
         try:
             self.remove(key)
         except OSError as e:

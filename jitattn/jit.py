@@ -28,11 +28,19 @@ _MEMO: dict = {}
 LAUNCHERS: dict = {}
 
 
+class _Prefixed(logging.Formatter):
+    """"[jitattn] message", where warnings say "jitattn: ..." for Python's default handler."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        return "[jitattn] " + (msg[len("jitattn: "):] if msg.startswith("jitattn: ") else msg)
+
+
 def _say(msg: str) -> None:
     """One line per compile, visible by default (stderr) unless logging is configured."""
     if not log.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[jitattn] %(message)s"))
+        handler.setFormatter(_Prefixed())
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
@@ -150,6 +158,10 @@ def _build_locked(src: RenderedSource, arch: str | None, cache: Cache, key: str,
     staged = cache.staging(key)
     try:
         build.build(src, staged, arch=arch)
+        if render.headers_digest("cpu" if src.lang == "cpp" else "cuda") != src.headers_digest:
+            raise build.CompileError(  # (the binary may hold either version: not cached)
+                f"the template headers under {env.templates_dir()} changed while {src.name} "
+                f"was built; call again", path=None, log="", command="")
         path = cache.publish(key, staged, binary, {"name": src.name, "arch": arch,
                                                    "version": __version__})
     except build.CompileError as e:

@@ -172,15 +172,28 @@ def _environment() -> jinja2.Environment:
                               undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
 
 
-@lru_cache(maxsize=4)
-def _headers_digest(backend: str) -> str:
+_DIGESTS: dict = {}  # backend -> (the headers' paths, sizes and mtimes, their digest)
+
+
+def headers_digest(backend: str) -> str:
+    """sha256 over the names and bytes of every file under the templates' common/ and
+    <backend>/include folders (subfolders included), for the cache key of the code that can
+    include them ("cuda" or "cpu"). Hashed again whenever a file's size or modification time
+    changed: a header edited while a process runs keys that process's next builds anew (a
+    digest kept for the process's life keyed them with the old header's)."""
     root = env.templates_dir()
+    files = sorted(p for d in ("common", f"{backend}/include") for p in (root / d).rglob("*")
+                   if p.is_file())
+    signature = tuple((p, st.st_size, st.st_mtime_ns) for p in files for st in (p.stat(),))
+    known = _DIGESTS.get(backend)
+    if known is not None and known[0] == signature:
+        return known[1]
     h = hashlib.sha256()
-    for d in ("common", f"{backend}/include"):
-        for p in sorted((root / d).glob("*")):
-            h.update(p.name.encode())
-            h.update(p.read_bytes())
-    return h.hexdigest()
+    for p in files:
+        h.update(p.relative_to(root).as_posix().encode())
+        h.update(p.read_bytes())
+    _DIGESTS[backend] = (signature, h.hexdigest())
+    return _DIGESTS[backend][1]
 
 
 def _include_dirs(backend: str) -> tuple:
@@ -277,7 +290,7 @@ def render_cuda(variant: Variant, *, kind: str, dtype_tag: str, head_dim: int,
         f"{'' if kv_tag == dtype_tag else '-kv_' + kv_tag}-d{head_dim}"
         f"{'-shared_kv' if shared_kv else ''}",
         entries=(entry,), include_dirs=_include_dirs("cuda"),
-        headers_digest=_headers_digest("cuda"), hooks=_hook_lines(code, variant), kind=kind,
+        headers_digest=headers_digest("cuda"), hooks=_hook_lines(code, variant), kind=kind,
         head_dim=head_dim, tiles=tiles, kv_fp8=kv_tag in dtypes.FP8_TAGS,
         rope=variant.pos_encoding is not None)
 
@@ -304,7 +317,7 @@ def render_cpu(variant: Variant, *, head_dim: int, kv_fp8: bool = False) -> Rend
     return RenderedSource(
         code=code, lang="cpp", name=f"{variant.key}-cpu{'-kv_fp8' if kv_fp8 else ''}-d{head_dim}",
         entries=tuple(e for e, _, _ in entries), include_dirs=_include_dirs("cpu"),
-        headers_digest=_headers_digest("cpu"), hooks=_hook_lines(code, variant), kind="cpu",
+        headers_digest=headers_digest("cpu"), hooks=_hook_lines(code, variant), kind="cpu",
         head_dim=head_dim)
 
 
@@ -323,7 +336,7 @@ def render_merge_cuda(in_tag: str, out_tag: str) -> RenderedSource:
         in_ctype=dtypes.CTYPE["cuda"][in_tag], out_ctype=dtypes.CTYPE["cuda"][out_tag])
     return RenderedSource(code=code, lang="cuda", name=f"merge-{in_tag}-{out_tag}",
                           entries=("jitattn_merge",), include_dirs=_include_dirs("cuda"),
-                          headers_digest=_headers_digest("cuda"), kind="merge", head_dim=0)
+                          headers_digest=headers_digest("cuda"), kind="merge", head_dim=0)
 
 
 def render_merge_cpu() -> RenderedSource:
@@ -333,5 +346,5 @@ def render_merge_cpu() -> RenderedSource:
                                                                  combos=combos)
     return RenderedSource(code=code, lang="cpp", name="merge-cpu",
                           entries=tuple(f"jitattn_merge_{i}_{o}" for i, o in MERGE_COMBOS),
-                          include_dirs=_include_dirs("cpu"), headers_digest=_headers_digest("cpu"),
+                          include_dirs=_include_dirs("cpu"), headers_digest=headers_digest("cpu"),
                           kind="merge", head_dim=0)

@@ -603,3 +603,71 @@ def test_an_unreadable_entry_is_rebuilt_and_clear_names_what_it_leaves(fresh_cac
     monkeypatch.setattr(cache_mod.shutil, "rmtree", lambda *a, **k: None)
     with pytest.raises(OSError, match=r"removed 0 entries; 1 left: .* \(permissions\)"):
         Cache().clear()
+
+
+def test_an_entry_copied_from_another_key_or_holding_a_fifo_is_rebuilt(fresh_cache, caplog):
+    """A trial of the cache: another key's entry copied into this key's folder (checksum
+    intact) was loaded, another kernel; a FIFO in place of meta.json or the binary blocked
+    every reader, `jitattn cache ls` too."""
+    import shutil
+    other = ja.Variant("cachetest", mask="causal", score_mod=ja.soft_cap(5.0))
+    path, _ = jit.compile_cached(_src(), None)
+    other_path, _ = jit.compile_cached(_src(other), None)
+    shutil.rmtree(path.parent)
+    shutil.copytree(other_path.parent, path.parent)
+    assert jit.compile_cached(_src(), None)[1]  # rebuilt
+    assert "records another key" in caplog.text
+    _run_variant()
+    for name in ("meta.json", path.name):
+        (path.parent / name).unlink()
+        os.mkfifo(path.parent / name)
+        assert Cache().load(path.parent.name, path.name) is None
+        assert jit.compile_cached(_src(), None)[1]
+    assert Cache().load(path.parent.name, path.name) == path
+
+
+def test_a_header_edited_while_a_process_runs_keys_its_next_builds_anew(fresh_cache, tmp_path,
+                                                                        monkeypatch):
+    """The headers' digest was kept for the process's life: a kernel built after an edit
+    was filed under the old headers' key, and later processes loaded it as theirs. A folder
+    among the headers broke every build (IsADirectoryError)."""
+    import shutil
+    from jitattn import env
+    root = tmp_path / "templates"
+    shutil.copytree(env.templates_dir(), root)
+    monkeypatch.setattr(env, "templates_dir", lambda: root)
+    before = render.headers_digest("cpu")
+    (root / "cpu" / "include" / "detail").mkdir()
+    assert render.headers_digest("cpu") == before  # (a folder: no bytes of its own)
+    (root / "cpu" / "include" / "detail" / "extra.h").write_text("// included by none\n")
+    assert render.headers_digest("cpu") != before
+    header = root / "common" / "jitattn_math.h"
+    edited = render.headers_digest("cpu")
+    header.write_text(header.read_text() + "\n// edited\n")
+    assert render.headers_digest("cpu") not in (before, edited)
+    # edited during a build: the binary may hold either version, so it is not filed
+    from jitattn import build
+    real_build = build.build
+
+    def build_and_edit(src, out_dir, arch=None):
+        real_build(src, out_dir, arch=arch)
+        header.write_text(header.read_text() + "// again\n")
+    monkeypatch.setattr(build, "build", build_and_edit)
+    with pytest.raises(build.CompileError, match="changed while .* was built; call again"):
+        jit.compile_cached(_src(), None)
+    monkeypatch.setattr(build, "build", real_build)
+    path, built = jit.compile_cached(_src(), None)
+    assert built and not any(p.name.startswith(".tmp-") for p in fresh_cache.iterdir())
+
+
+def test_a_cache_path_that_is_not_utf8_builds(tmp_path, monkeypatch):
+    """ninja's output, which names the build folder, was decoded as UTF-8 and raised
+    UnicodeDecodeError for every build under such a path."""
+    root = os.fsdecode(os.fsencode(str(tmp_path)) + b"/bad\xffbyte")  # (surrogate-escaped)
+    monkeypatch.setenv("JITATTN_CACHE_DIR", root)
+    jit.clear_memo()
+    try:
+        path, built = jit.compile_cached(_src(), None)
+        assert built and os.fsencode(str(path)).startswith(os.fsencode(root))
+    finally:
+        jit.clear_memo()
