@@ -65,10 +65,11 @@ class BatchPrefill:
     to an NHD wrapper (or the reverse) has the expected shape and gives wrong outputs.
     device: where run() will be called ("cuda", "cuda:1" or "cpu"; default: the current CUDA
         device when there is one, else the CPU backend).
-    Capacities of the device workspace, fixed for the wrapper's life (plan() raises ValueError
-    when a batch needs more): max_batch_size requests, max_num_pages entries in kv_indices,
-    max_work_items scheduled items, max_partial_rows split-KV partial states, max_mask_bytes
-    of bit-packed custom mask, max_item_tokens multi-item token positions; ints, at least 1 for
+    Capacities of the device workspace, fixed for the wrapper's life (plan() raises
+    CapacityError, a ValueError, when a batch needs more): max_batch_size requests,
+    max_num_pages entries in kv_indices, max_work_items scheduled items, max_partial_rows
+    split-KV partial states, max_mask_bytes of bit-packed custom mask, max_item_tokens
+    multi-item token positions; ints, at least 1 for
     max_batch_size and max_work_items, 0 or more for the others (0: plans that need none,
     e.g. max_partial_rows=0 keeps every request in one piece).
     split_kv: let the scheduler cut long KV ranges into chunks merged afterwards.
