@@ -120,9 +120,7 @@ class MultiLevelCascade:
                            num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
                            sm_scale=sm_scale)
             except (TypeError, ValueError) as e:  # the level's arguments are entry i of ours
-                if type(e) not in (TypeError, ValueError, CapacityError):
-                    raise  # (a subclass's constructor may take other arguments)
-                raise type(e)(f"level {i}: {e}") from e
+                _reraise_for_level(e, f"level {i}")
             rows.append(self._level_rows(i, int(qo_indptr[i][-1]), q_rows))
         if self.variant.mask == "causal" and n > 1:
             self._check_shared_keys_precede(rows)
@@ -247,10 +245,7 @@ class MultiLevelCascade:
                     o[rows], s[rows] = level.run(q[rows].contiguous(), kv_cache,
                                                  return_lse=True, **params)
             except (TypeError, ValueError) as e:  # (a page past the cache: which level's)
-                if type(e) not in (TypeError, ValueError, CapacityError):
-                    raise
-                raise type(e)(f"{self._LEVEL_NAMES[i] if self._LEVEL_NAMES else f'level {i}'}: "
-                              f"{e}") from e
+                _reraise_for_level(e, self._LEVEL_NAMES[i] if self._LEVEL_NAMES else f"level {i}")
         merge_states_into(o_levels, lse_levels, out, lse, self.variant.reduction)
         return (out, lse) if return_lse else out
 
@@ -259,6 +254,14 @@ class MultiLevelCascade:
         """run() for the wrapper_run op (ops.py): inputs are the cache tensor(s)."""
         return self.run(q, inputs[0] if len(inputs) == 1 else tuple(inputs), return_lse=True,
                         **params)
+
+
+def _reraise_for_level(e: Exception, label: str):
+    """Raise ``e`` again as "label: message", of its type; an exception of a subclass (whose
+    constructor may take other arguments) as it is."""
+    if type(e) not in (TypeError, ValueError, CapacityError):
+        raise e
+    raise type(e)(f"{label}: {e}") from e
 
 
 def _count(rows) -> int:
