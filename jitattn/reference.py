@@ -118,8 +118,10 @@ def attention(q, k, v, variant: Variant, *, qo_indptr=None, kv_indptr=None, sm_s
             continue  # no rows, or rows that see no key: out 0, lse -inf
         q_pos = torch.arange(lk - lq, lk, device=q.device)
         kv_pos = torch.arange(lk, device=q.device)
-        if variant.pos_encoding is not None:
-            qi, ki = rope(qi, q_pos, variant), rope(ki, kv_pos, variant)
+        if variant.pos_encoding is not None:  # rotated, then rounded to q's dtype (as the
+            # kernels rotate q and k tiles in that dtype, and HF rotates in the model's dtype)
+            qi, ki = (rope(x, pos, variant).to(q.dtype).double()
+                      for x, pos in ((qi, q_pos), (ki, kv_pos)))
         ki, vi = ki.repeat_interleave(g, dim=1), vi.repeat_interleave(g, dim=1)
         s = torch.einsum("qhd,khd->hqk", qi, ki) * scale          # [Hq, Lq, Lk]
         env = dict(score=s, b=torch.tensor(b, device=q.device),

@@ -35,6 +35,8 @@ class RoPE:
         and ``{"rope_type": "default"}`` is no scaling.
     Positions are logical token positions: key j has position j, query i of a request with
     qo_len queries and kv_len keys has position kv_len - qo_len + i. Rotary dim = head_dim.
+    The rotation runs in float32 and its result is rounded to q's dtype (as HF rotates in the
+    model's dtype) on every backend and in jitattn.reference.
     """
 
     theta: float = 1e4
