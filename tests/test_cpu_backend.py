@@ -9,7 +9,8 @@ import torch
 import jitattn as ja
 from jitattn import catalog
 
-from helpers import check, check_nan_key_rows, every_feature_variant, make_batch
+from helpers import (check, check_nan_key_rows, check_rope_before_the_first_key,
+                     every_feature_variant, make_batch)
 
 BUILTIN = catalog.builtin()
 HEADS = [(4, 4), (8, 2), (7, 1)]  # GQA group sizes 1, 4, 7
@@ -185,3 +186,7 @@ def test_float_floordiv_and_mod_are_pythons():
         s[:, ~torch.tensor(keep)] = -math.inf
         want = torch.einsum("hk,khd->hd", s.softmax(-1), v.double())
         torch.testing.assert_close(out[0].double(), want, atol=2e-3, rtol=0)
+
+
+def test_rope_rotates_queries_before_the_first_key():
+    check_rope_before_the_first_key("cpu")

@@ -13,8 +13,8 @@ import torch
 import jitattn as ja
 from jitattn import catalog, env, reference
 
-from helpers import (check, check_nan_key_rows, every_feature_variant, make_batch,
-                     wrapping_mask_case)
+from helpers import (check, check_nan_key_rows, check_rope_before_the_first_key,
+                     every_feature_variant, make_batch, wrapping_mask_case)
 
 pytestmark = pytest.mark.gpu
 
@@ -203,3 +203,7 @@ def test_pair_merge_addresses_past_2_to_the_31_elements():
     torch.cuda.synchronize()
     assert (o_a[-64:] == 1).all() and (lse_a[-64:] == 0).all()
     assert (o_a[:64] == 0.5).all()
+
+
+def test_rope_rotates_queries_before_the_first_key_gpu():
+    check_rope_before_the_first_key("cuda")

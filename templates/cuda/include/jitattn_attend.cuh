@@ -24,14 +24,17 @@ template <bool B> struct Flag { static constexpr bool value = B; };  // a compil
 template <int N> struct Keys { static constexpr int value = N; };    // a tile's computed keys
 
 // Rotate rows [0, rows) of a 16-bit tile in shared memory (RoFormer eq. 34); pos(r) is the
-// position of row r, or -1 to leave it. Threads tid of nthreads share the work.
+// position of row r, or kNoPosition to leave it (a position may be negative: the queries of a
+// request with more queries than keys under mask "none"). Threads tid of nthreads share the
+// work.
+constexpr int kNoPosition = -2147483647 - 1;  // (INT_MIN)
 template <typename DType, int HEAD_DIM, int ROW, typename Pos>
 __device__ __forceinline__ void rope_tile(DType* s, int rows, Pos pos, int tid, int nthreads) {
   if constexpr (Variant::ROPE != 0) {
     for (int i = tid; i < rows * HEAD_DIM / 2; i += nthreads) {
       const int r = i / (HEAD_DIM / 2), pair = i % (HEAD_DIM / 2);
       const int position = pos(r);
-      if (position < 0) continue;
+      if (position == kNoPosition) continue;
       const int2 e = rope_pair_index<HEAD_DIM>(pair);
       float x = ja_to_float(s[r * ROW + e.x]), y = ja_to_float(s[r * ROW + e.y]);
       rope_pair(x, y, position, kRopeInvFreq[pair]);
@@ -430,7 +433,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
     if constexpr (WGMMA) fence_proxy_async();
     __syncthreads();
     rope_tile<DType, HEAD_DIM, ROW>(q_s, ROWS_CTA, [&](int r) {
-      return w.row0 + r < packed_rows ? req.kv_len - req.q_len + (w.row0 + r) / g : -1;
+      return w.row0 + r < packed_rows ? req.kv_len - req.q_len + (w.row0 + r) / g : kNoPosition;
     }, threadIdx.x, blockDim.x);
     if constexpr (Variant::ROPE != 0) __syncthreads();
 
