@@ -1,0 +1,341 @@
+"""Random differential testing: a seed draws one attention problem (wrapper, variant, dtype,
+head_dim, GQA ratio, page size, layout, request lengths biased to tile edges, 0 and 1) and
+checks jitattn's out and lse against jitattn.reference (tests/helpers.compare: the tolerances,
+exact zeros and lse -inf for rows that see no key, never NaN).
+
+    python tests/fuzz.py --device cuda --seconds 300 --workers 8   # seeds 0, 1, 2, ...
+    python tests/fuzz.py --device cpu --seed 1234                 # one seed again, verbose
+
+Exit status 1 when any seed failed; each failure is printed with its seed and its problem.
+tests/test_fuzz.py runs a fixed set of seeds (CPU in CI, more with ``pytest -m gpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jitattn as ja  # noqa: E402
+from jitattn import catalog, reference  # noqa: E402
+from jitattn.render import QUERY_TILES  # noqa: E402
+from jitattn.shared_prefix import STRATEGIES, SharedPrefixPrefill  # noqa: E402
+from jitattn.variant_layout import ALLOWED, layout_features  # noqa: E402
+
+from helpers import compare, make_paged, quantize_fp8  # noqa: E402
+
+KINDS = ("paged_prefill", "ragged_prefill", "decode", "shared_prefix", "cascade_decode")
+# lengths at and around the kernels' tiles (16-row decode tiles, 64 / 128 rows, 64 / 128 / 192
+# keys), besides 0, 1 and anything up to 700
+EDGES = (0, 1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257)
+
+
+def _length(rng: random.Random, hi: int = 700, lo: int = 0) -> int:
+    n = rng.choice(EDGES) if rng.random() < 0.6 else rng.randint(0, hi)
+    return max(lo, n)
+
+
+def _cumsum(lens) -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def composed_variant(rng: random.Random, hq: int, device, causal_only: bool = False):
+    """A DSL variant of randomly chosen parts (each part's constants are runtime parameters, so
+    seeds share kernels): mask, window, soft-cap, an ALiBi-like bias, a mask_mod, RoPE,
+    sigmoid reduction. Returns (variant, params, description)."""
+    mask = "causal" if causal_only or rng.random() < 0.7 else "none"
+    window = rng.choice([None, None, None, 0, 1, 63, 200])
+    cap_on, bias_on = rng.random() < 0.35, rng.random() < 0.35
+    keep_on, rope_on = rng.random() < 0.25, rng.random() < 0.2
+    sigmoid = rng.random() < 0.15
+    cap, slopes = ja.scalar("cap"), ja.tensor("slopes", ("num_qo_heads",), "float32")
+    shift = ja.scalar("shift")
+    params = {}
+    score_mod = mask_mod = None
+    if cap_on or bias_on or sigmoid:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            if cap_on:
+                score = cap * ja.tanh(score / cap)
+            if bias_on:
+                score = score + slopes[h] * (kv_idx - q_idx)
+            if sigmoid:
+                score = score + shift
+            return score
+        params.update({"cap": rng.choice([5.0, 30.0])} if cap_on else {})
+        params.update({"slopes": ja.alibi_slopes(hq).to(device)} if bias_on else {})
+        params.update({"shift": -rng.uniform(0.0, 6.0)} if sigmoid else {})
+    if keep_on:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return ((q_idx - kv_idx) % 3 == 0) | (kv_idx < 5)
+    rope = ja.RoPE(theta=1e4, style=rng.choice(["neox", "gptj"])) if rope_on else None
+    parts = [mask, f"w{window}" if window is not None else "", "cap" if cap_on else "",
+             "bias" if bias_on else "", "keep" if keep_on else "", "rope" if rope_on else "",
+             "sigmoid" if sigmoid else ""]
+    name = "fuzz_" + "_".join(p for p in parts if p)
+    variant = ja.Variant(name, mask=mask, window_left=window, score_mod=score_mod,
+                         mask_mod=mask_mod, pos_encoding=rope,
+                         reduction="sigmoid" if sigmoid else "softmax")
+    return variant, params, name
+
+
+def draw_variant(rng, batch, hq, hkv, max_q, max_kv, device, causal_only=False):
+    """A built-in variant with its example parameters, or a composed one."""
+    builtin = catalog.builtin()
+    names = sorted(n for n in builtin if not causal_only or n != "prefix_lm")
+    if rng.random() < 0.4:
+        name = rng.choice(names)
+        if name == "sliding_window":  # (its example's window follows kv_len: one kernel each)
+            return builtin[name].make(window_left=rng.choice([1, 63, 200])), {}, name
+        variant, params = builtin[name].example(batch, hq, hkv, max(max_q, 1), max(max_kv, 2),
+                                                device)
+        if not causal_only or variant.mask == "causal":
+            return variant, params, name
+    return composed_variant(rng, hq, device, causal_only)
+
+
+def _nan_outputs(q):
+    return (torch.full(q.shape, math.nan, dtype=q.dtype, device=q.device),
+            torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device))
+
+
+def _heads(rng):
+    hkv = rng.choice([1, 2, 4, 8])
+    group = rng.choice([1, 1, 2, 3, 4, 8])
+    return hkv * group, hkv
+
+
+def case(seed: int, device: str) -> str:
+    """Draw problem ``seed``, run it, compare with the reference; AssertionError (or any
+    exception) on a mismatch. Returns the problem's description."""
+    rng = random.Random(seed)
+    kind = rng.choice(KINDS)
+    dtype = rng.choice([torch.float16, torch.bfloat16])
+    head_dim = rng.choice([32, 64, 128, 128, 256])
+    hq, hkv = _heads(rng)
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa
+    sm_scale = rng.choice([None, None, 0.05, 0.3])
+    if kind == "shared_prefix":
+        return _shared_prefix_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_scale)
+    if kind == "cascade_decode":
+        return _cascade_decode_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_scale)
+    batch = rng.randint(1, 6)
+    if kind == "decode":
+        qo_lens = [1] * batch
+        kv_lens = [_length(rng, 3000) for _ in range(batch)]
+    else:
+        qo_lens = [_length(rng) for _ in range(batch)]
+        kv_lens = [_length(rng) for _ in range(batch)]
+    variant, params, vname = draw_variant(rng, batch, hq, hkv, max(qo_lens), max(kv_lens),
+                                          device, causal_only=kind == "decode")
+    mask_data = {}
+    if kind != "decode" and rng.random() < 0.1:  # an explicit custom mask
+        variant = ja.Variant("fuzz_custom", mask="custom")
+        params, vname = {}, "custom"
+        mask_data["custom_mask"] = torch.rand(sum(a * b for a, b in zip(qo_lens, kv_lens)),
+                                              generator=gen) < 0.5
+    split_kv = rng.random() < 0.8
+    desc = (f"seed {seed}: {kind} {vname} {dtype} d{head_dim} heads {hq}/{hkv} "
+            f"qo {qo_lens} kv {kv_lens} sm_scale {sm_scale} split_kv {split_kv}")
+    q = rand(sum(qo_lens), hq, head_dim)
+    qo_indptr = _cumsum(qo_lens)
+    out, lse = _nan_outputs(q)
+    if kind == "ragged_prefill":
+        k, v = rand(sum(kv_lens), hkv, head_dim), rand(sum(kv_lens), hkv, head_dim)
+        kv_indptr = _cumsum(kv_lens)
+        w = ja.BatchPrefill(variant, kv_layout="ragged", device=device, split_kv=split_kv)
+        w.plan(qo_indptr, kv_indptr, None, None, hq, hkv, head_dim, q_dtype=dtype,
+               sm_scale=sm_scale, **mask_data)
+        w.run(q, (k, v), out=out, lse=lse, **params)
+        ref_kv_indptr = kv_indptr
+    else:
+        page_size = rng.choice([1, 2, 3, 16, 16, 32])
+        layout = rng.choice(["NHD", "HND"])
+        desc += f" page_size {page_size} {layout}"
+        cache, kv_indptr, kv_indices, last = make_paged(kv_lens, hkv, head_dim, page_size,
+                                                        layout, dtype, device, seed)
+        ref_cache, scales = cache, {}
+        if rng.random() < 0.2:  # an fp8 cache; the reference over its exact dequantized values
+            fp8 = rng.choice([torch.float8_e4m3fn, torch.float8_e5m2])
+            scale = rng.choice([0.5, 1.0, 2.0])
+            (k8, k16), (v8, v16) = (quantize_fp8(c, scale, fp8) for c in cache)
+            cache, ref_cache = (k8, v8), (k16, v16)
+            scales = dict(k_scale=scale, v_scale=scale)
+            desc += f" kv {fp8} scale {scale}"
+        kv_dtype = cache[0].dtype
+        if kind == "decode":
+            w = ja.BatchDecode(variant, page_size=page_size, kv_layout=layout, device=device,
+                               split_kv=split_kv)
+            w.plan(kv_indptr, kv_indices, last, hq, hkv, head_dim, q_dtype=dtype,
+                   kv_dtype=kv_dtype, sm_scale=sm_scale)
+        else:
+            tile = rng.choice(QUERY_TILES)
+            w = ja.BatchPrefill(variant, page_size=page_size, kv_layout=layout, device=device,
+                                split_kv=split_kv, query_tile=tile)
+            desc += f" query_tile {tile}"
+            w.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hkv, head_dim, q_dtype=dtype,
+                   kv_dtype=kv_dtype, sm_scale=sm_scale, **mask_data)
+        w.run(q, cache, out=out, lse=lse, **scales, **params)
+        k, v, ref_kv_indptr = reference.paged_to_ragged(ref_cache, kv_indptr, kv_indices, last,
+                                                        layout)
+    def ref(v):
+        return reference.attention(q, k, v, variant, qo_indptr=qo_indptr,
+                                   kv_indptr=ref_kv_indptr, sm_scale=sm_scale,
+                                   return_lse=True, mask_data=mask_data, **params)
+    ref_out, ref_lse = ref(v)
+    _compare(desc, variant, out, lse, ref_out, ref_lse,
+             ref(v.abs())[0] if variant.reduction == "sigmoid" else None)
+    return desc
+
+
+def _compare(desc, variant, out, lse, ref_out, ref_lse, magnitude=None):
+    """helpers.compare; for sigmoid, magnitude (the reference over |v|) widens the budget."""
+    slack = None
+    if variant.reduction == "sigmoid":
+        # P is rounded to q's dtype before P V, an error of up to u p_j |v_j| a term (u the
+        # dtype's unit roundoff, eps / 2); sigmoid's sums are not normalised and may cancel,
+        # so the budget follows eps sum_j p_j |v_j|, not |out| (a cascade's levels, rounded to
+        # q's dtype before their merge, stay inside it too)
+        slack = magnitude * torch.finfo(out.dtype).eps
+    try:
+        compare(variant, out, lse, ref_out, ref_lse, slack=slack)
+    except AssertionError as e:
+        raise AssertionError(f"{desc}\n{e}") from None
+
+
+def _shared_prefix_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_scale):
+    """SharedPrefixPrefill, one strategy or auto, against the reference over each request's
+    prefix + suffix (the prefix's rows: the prefix on its own)."""
+    prefix = _length(rng, 600)
+    suffixes = [_length(rng, 200, lo=1) for _ in range(rng.randint(1, 6))]
+    variant, params, vname = draw_variant(rng, len(suffixes) + 1, hq, hkv,
+                                          prefix + max(suffixes), prefix + max(suffixes),
+                                          device, causal_only=True)
+    if layout_features(variant) - {"positions"}:  # (the reference numbers requests its way)
+        variant, params, vname = composed_variant(rng, hq, device, causal_only=True)
+    # the strategies that compute this variant exactly (the others refuse it: tests elsewhere)
+    strategy = rng.choice([s for s in STRATEGIES if not layout_features(variant) - ALLOWED[s]]
+                          + ["auto"])
+    desc = (f"seed {seed}: shared_prefix {strategy} {vname} {dtype} d{head_dim} heads "
+            f"{hq}/{hkv} prefix {prefix} suffixes {suffixes} sm_scale {sm_scale}")
+    n = prefix + sum(suffixes)
+    q, k, v = rand(n, hq, head_dim), rand(n, hkv, head_dim), rand(n, hkv, head_dim)
+    sp = SharedPrefixPrefill(variant, strategy, device=device)
+    chosen = sp.plan(prefix, suffixes, hq, hkv, head_dim, q_dtype=dtype, sm_scale=sm_scale)
+    desc += f" (ran {chosen})"
+    out, lse = _nan_outputs(q)
+    sp.run(q, k, v, out=out, lse=lse, **params)
+    # the reference's requests: the prefix alone (its rows), then each suffix over prefix +
+    # its own keys, gathered into one run of k / v per request
+    rows_q, rows_kv, start = [torch.arange(prefix)], [torch.arange(prefix)], prefix
+    for s in suffixes:
+        rows_q.append(torch.arange(start, start + s))
+        rows_kv.append(torch.cat([torch.arange(prefix), torch.arange(start, start + s)]))
+        start += s
+    gq, gkv = torch.cat(rows_q).to(device), torch.cat(rows_kv).to(device)
+
+    def ref(v):
+        return reference.attention(
+            q[gq], k[gkv], v[gkv], variant, qo_indptr=_cumsum([len(r) for r in rows_q]),
+            kv_indptr=_cumsum([len(r) for r in rows_kv]), sm_scale=sm_scale, return_lse=True,
+            **params)
+    ref_out, ref_lse = ref(v)
+    _compare(desc, variant, out, lse, ref_out, ref_lse,
+             ref(v.abs())[0] if variant.reduction == "sigmoid" else None)
+    return desc
+
+
+def _cascade_decode_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_scale):
+    """CascadeDecode (cascade, plain or auto) over a paged shared prefix and each request's own
+    pages, against the reference over prefix + own keys per request."""
+    strategy = rng.choice(["auto", "cascade", "plain"])
+    page_size, layout = rng.choice([1, 3, 16]), rng.choice(["NHD", "HND"])
+    prefix, batch = _length(rng, 2000), rng.randint(1, 8)
+    unique = [_length(rng, 300) for _ in range(batch)]
+    if strategy == "plain":  # (it copies the prefix's pages into every request's table)
+        prefix -= prefix % page_size
+    for _ in range(20):  # a variant the cascade computes exactly (nothing read by position)
+        variant, params, vname = draw_variant(rng, batch, hq, hkv, 1, prefix + max(unique),
+                                              device, causal_only=True)
+        if not layout_features(variant):
+            break
+    else:
+        variant, params, vname = ja.Variant("causal"), {}, "causal"
+    desc = (f"seed {seed}: cascade_decode {strategy} {vname} {dtype} d{head_dim} heads "
+            f"{hq}/{hkv} prefix {prefix} unique {unique} page_size {page_size} {layout} "
+            f"sm_scale {sm_scale}")
+    # one table: request 0 the prefix, then each request's own pages
+    cache, indptr, indices, last = make_paged([prefix] + unique, hkv, head_dim, page_size,
+                                              layout, dtype, device, seed)
+    shared = indices[:int(indptr[1])]
+    cd = ja.CascadeDecode(variant, page_size=page_size, kv_layout=layout, strategy=strategy,
+                          device=device)
+    chosen = cd.plan(shared, int(last[0]) if len(shared) else 0, indptr[1:] - indptr[1],
+                     indices[int(indptr[1]):], last[1:], hq, hkv, head_dim, q_dtype=dtype,
+                     sm_scale=sm_scale)
+    desc += f" (ran {chosen})"
+    q = rand(batch, hq, head_dim)
+    out, lse = _nan_outputs(q)
+    cd.run(q, cache, out=out, lse=lse, **params)
+    k, v, tok = reference.paged_to_ragged(cache, indptr, indices, last, layout)
+    rows = [torch.cat([torch.arange(prefix), torch.arange(int(tok[b + 1]), int(tok[b + 2]))])
+            for b in range(batch)]
+    g = torch.cat(rows).to(device)
+
+    def ref(v):
+        return reference.attention(q, k[g], v[g], variant, qo_indptr=_cumsum([1] * batch),
+                                   kv_indptr=_cumsum([len(r) for r in rows]),
+                                   sm_scale=sm_scale, return_lse=True, **params)
+    ref_out, ref_lse = ref(v)
+    _compare(desc, variant, out, lse, ref_out, ref_lse,
+             ref(v.abs())[0] if variant.reduction == "sigmoid" else None)
+    return desc
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, help="run this one seed and print its problem")
+    p.add_argument("--start", type=int, default=0, help="first seed (default 0)")
+    p.add_argument("--seconds", type=float, default=60.0, help="stop drawing after this long")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes, each taking every workers-th seed (default 1)")
+    p.add_argument("--worker", default="0/1", help=argparse.SUPPRESS)  # (i/n: this process's)
+    args = p.parse_args(argv)
+    if args.seed is not None:
+        print(case(args.seed, args.device))
+        return 0
+    if args.workers > 1:
+        import subprocess
+        procs = [subprocess.Popen([sys.executable, __file__, "--device", args.device,
+                                   "--start", str(args.start), "--seconds", str(args.seconds),
+                                   "--workers", "1", "--worker", f"{i}/{args.workers}"])
+                 for i in range(args.workers)]
+        return max(proc.wait() for proc in procs)
+    worker, workers = (int(x) for x in args.worker.split("/"))
+    t0, seed, ran, failed = time.perf_counter(), args.start + worker, 0, []
+    while time.perf_counter() - t0 < args.seconds:
+        try:
+            case(seed, args.device)
+        except Exception:
+            failed.append(seed)
+            print(f"FAILED seed {seed}:\n{traceback.format_exc()}", flush=True)
+        ran += 1
+        seed += workers
+    print(f"worker {worker}/{workers}: {ran} seeds, {len(failed)} failed {failed}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
