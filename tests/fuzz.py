@@ -32,7 +32,8 @@ from jitattn.variant_layout import ALLOWED, layout_features  # noqa: E402
 
 from helpers import compare, make_paged, quantize_fp8  # noqa: E402
 
-KINDS = ("paged_prefill", "ragged_prefill", "decode", "shared_prefix", "cascade_decode")
+KINDS = ("paged_prefill", "ragged_prefill", "decode", "shared_prefix", "cascade_decode",
+         "multi_level")
 # lengths at and around the kernels' tiles (16-row decode tiles, 64 / 128 rows, 64 / 128 / 192
 # keys), besides 0, 1 and anything up to 700
 EDGES = (0, 1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257)
@@ -130,6 +131,8 @@ def case(seed: int, device: str) -> str:
         return _shared_prefix_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_scale)
     if kind == "cascade_decode":
         return _cascade_decode_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_scale)
+    if kind == "multi_level":
+        return _multi_level_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_scale)
     batch = rng.randint(1, 6)
     if kind == "decode":
         qo_lens = [1] * batch
@@ -256,6 +259,82 @@ def _shared_prefix_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_sc
     return desc
 
 
+def _layout_free_variant(rng, batch, hq, hkv, max_q, max_kv, device, causal_only=True):
+    """A variant a cascade computes exactly (nothing read by position or request)."""
+    for _ in range(20):
+        variant, params, vname = draw_variant(rng, batch, hq, hkv, max_q, max_kv, device,
+                                              causal_only=causal_only)
+        if not layout_features(variant):
+            return variant, params, vname
+    return ja.Variant("causal"), {}, "causal"
+
+
+def _check_levels(desc, variant, params, q, cache, layout, segments, qo_lens, sm_scale):
+    """The reference over each request's keys: segments[b] lists the cache's requests (in
+    make_paged's table ``cache``) whose tokens, concatenated, are request b's keys."""
+    (kv, k_indptr, k_indices, k_last), out, lse = cache
+    k, v, tok = reference.paged_to_ragged(kv, k_indptr, k_indices, k_last, layout)
+    rows = [torch.cat([torch.arange(int(tok[s]), int(tok[s + 1])) for s in segs] +
+                      [torch.zeros(0, dtype=torch.long)]) for segs in segments]
+    g = torch.cat(rows).to(q.device)
+
+    def ref(v):
+        return reference.attention(q, k[g], v[g], variant, qo_indptr=_cumsum(qo_lens),
+                                   kv_indptr=_cumsum([len(r) for r in rows]),
+                                   sm_scale=sm_scale, return_lse=True, **params)
+    ref_out, ref_lse = ref(v)
+    _compare(desc, variant, out, lse, ref_out, ref_lse,
+             ref(v.abs())[0] if variant.reduction == "sigmoid" else None)
+
+
+def _multi_level_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_scale):
+    """MultiLevelCascade of 2 or 3 levels (a prefix of all requests, prefixes of contiguous
+    groups, each request's own keys) with a few queries a request."""
+    num_levels, batch = rng.choice([2, 3]), rng.randint(1, 6)
+    page_size, layout = rng.choice([1, 3, 16]), rng.choice(["NHD", "HND"])
+    qo_lens = [rng.choice([1, 1, 2, 5, 17]) for _ in range(batch)]
+    # (a causal variant's shared levels see no mask: a request's own keys cover its queries)
+    own = [max(_length(rng, 200), n) for n in qo_lens]
+    cuts = sorted(rng.sample(range(1, batch), rng.randint(0, batch - 1))) if batch > 1 else []
+    groups = [(a, b) for a, b in zip([0] + cuts, cuts + [batch])]
+    seg_lens = [_length(rng, 600)]  # segment 0: every request's; then the groups'; then own
+    if num_levels == 3:
+        seg_lens += [_length(rng, 300) for _ in groups]
+    seg_lens += own
+    variant, params, vname = _layout_free_variant(rng, batch, hq, hkv, max(qo_lens),
+                                                  sum(seg_lens), device)
+    desc = (f"seed {seed}: multi_level {num_levels} {vname} {dtype} d{head_dim} heads "
+            f"{hq}/{hkv} qo {qo_lens} segments {seg_lens} groups {groups} page_size "
+            f"{page_size} {layout} sm_scale {sm_scale}")
+    kv, indptr, indices, last = make_paged(seg_lens, hkv, head_dim, page_size, layout, dtype,
+                                           device, seed)
+    own_at = len(seg_lens) - batch
+    level_segs = [[0]] + ([list(range(1, 1 + len(groups)))] if num_levels == 3 else []) + \
+        [list(range(own_at, own_at + batch))]
+    level_rows = [[sum(qo_lens)]] + ([[sum(qo_lens[a:b]) for a, b in groups]]
+                                     if num_levels == 3 else []) + [qo_lens]
+    args = {"qo_indptr": [], "kv_indptr": [], "kv_indices": [], "kv_last_page_len": []}
+    for segs, rows in zip(level_segs, level_rows):
+        args["qo_indptr"].append(_cumsum(rows))
+        args["kv_indptr"].append(_cumsum([int(indptr[s + 1] - indptr[s]) for s in segs]))
+        args["kv_indices"].append(torch.cat([indices[int(indptr[s]):int(indptr[s + 1])]
+                                             for s in segs]))
+        args["kv_last_page_len"].append(last[segs])
+    levels = ja.MultiLevelCascade(variant, num_levels, page_size=page_size, kv_layout=layout,
+                                  device=device)
+    levels.plan(**args, num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, q_dtype=dtype,
+                sm_scale=sm_scale)
+    q = rand(sum(qo_lens), hq, head_dim)
+    out, lse = _nan_outputs(q)
+    levels.run(q, kv, out=out, lse=lse, **params)
+    group_of = [i for i, (a, b) in enumerate(groups) for _ in range(a, b)]
+    segments = [[0] + ([1 + group_of[b]] if num_levels == 3 else []) + [own_at + b]
+                for b in range(batch)]
+    _check_levels(desc, variant, params, q, ((kv, indptr, indices, last), out, lse), layout,
+                  segments, qo_lens, sm_scale)
+    return desc
+
+
 def _cascade_decode_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_scale):
     """CascadeDecode (cascade, plain or auto) over a paged shared prefix and each request's own
     pages, against the reference over prefix + own keys per request."""
@@ -265,13 +344,8 @@ def _cascade_decode_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_s
     unique = [_length(rng, 300) for _ in range(batch)]
     if strategy == "plain":  # (it copies the prefix's pages into every request's table)
         prefix -= prefix % page_size
-    for _ in range(20):  # a variant the cascade computes exactly (nothing read by position)
-        variant, params, vname = draw_variant(rng, batch, hq, hkv, 1, prefix + max(unique),
-                                              device, causal_only=True)
-        if not layout_features(variant):
-            break
-    else:
-        variant, params, vname = ja.Variant("causal"), {}, "causal"
+    variant, params, vname = _layout_free_variant(rng, batch, hq, hkv, 1, prefix + max(unique),
+                                                  device)
     desc = (f"seed {seed}: cascade_decode {strategy} {vname} {dtype} d{head_dim} heads "
             f"{hq}/{hkv} prefix {prefix} unique {unique} page_size {page_size} {layout} "
             f"sm_scale {sm_scale}")
@@ -288,18 +362,8 @@ def _cascade_decode_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_s
     q = rand(batch, hq, head_dim)
     out, lse = _nan_outputs(q)
     cd.run(q, cache, out=out, lse=lse, **params)
-    k, v, tok = reference.paged_to_ragged(cache, indptr, indices, last, layout)
-    rows = [torch.cat([torch.arange(prefix), torch.arange(int(tok[b + 1]), int(tok[b + 2]))])
-            for b in range(batch)]
-    g = torch.cat(rows).to(device)
-
-    def ref(v):
-        return reference.attention(q, k[g], v[g], variant, qo_indptr=_cumsum([1] * batch),
-                                   kv_indptr=_cumsum([len(r) for r in rows]),
-                                   sm_scale=sm_scale, return_lse=True, **params)
-    ref_out, ref_lse = ref(v)
-    _compare(desc, variant, out, lse, ref_out, ref_lse,
-             ref(v.abs())[0] if variant.reduction == "sigmoid" else None)
+    _check_levels(desc, variant, params, q, ((cache, indptr, indices, last), out, lse), layout,
+                  [[0, 1 + b] for b in range(batch)], [1] * batch, sm_scale)
     return desc
 
 
