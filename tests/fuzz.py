@@ -156,12 +156,22 @@ def case(seed: int, device: str) -> str:
     out, lse = _nan_outputs(q)
     if kind == "ragged_prefill":
         k, v = rand(sum(kv_lens), hkv, head_dim), rand(sum(kv_lens), hkv, head_dim)
-        kv_indptr = _cumsum(kv_lens)
-        w = ja.BatchPrefill(variant, kv_layout="ragged", device=device, split_kv=split_kv)
-        w.plan(qo_indptr, kv_indptr, None, None, hq, hkv, head_dim, q_dtype=dtype,
-               sm_scale=sm_scale, **mask_data)
-        w.run(q, (k, v), out=out, lse=lse, **params)
-        ref_kv_indptr = kv_indptr
+        kv_indptr = ref_kv_indptr = _cumsum(kv_lens)
+        if variant.mask != "custom" and rng.random() < 0.3:  # ja.attention, unplanned
+            indptrs = {} if batch == 1 and rng.random() < 0.5 else \
+                dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr)
+            desc += f" ja.attention{'' if indptrs else ' (one request)'}"
+            if rng.random() < 0.5:  # (its own outputs)
+                out, lse = ja.attention(q, k, v, variant, sm_scale=sm_scale, return_lse=True,
+                                        **indptrs, **params)
+            else:
+                ja.attention(q, k, v, variant, sm_scale=sm_scale, out=out, lse=lse, **indptrs,
+                             **params)
+        else:
+            w = ja.BatchPrefill(variant, kv_layout="ragged", device=device, split_kv=split_kv)
+            w.plan(qo_indptr, kv_indptr, None, None, hq, hkv, head_dim, q_dtype=dtype,
+                   sm_scale=sm_scale, **mask_data)
+            w.run(q, (k, v), out=out, lse=lse, **params)
     else:
         page_size = rng.choice([1, 2, 3, 16, 16, 32])
         layout = rng.choice(["NHD", "HND"])
