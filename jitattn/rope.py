@@ -35,8 +35,10 @@ class RoPE:
         and ``{"rope_type": "default"}`` is no scaling.
     Positions are logical token positions: key j has position j, query i of a request with
     qo_len queries and kv_len keys has position kv_len - qo_len + i. Rotary dim = head_dim.
-    The rotation runs in float32 and its result is rounded to q's dtype (as HF rotates in the
-    model's dtype) on every backend and in jitattn.reference.
+    The rotated q and k are rounded to q's dtype (as HF rotates in the model's dtype) on both
+    backends and in jitattn.reference (which rotates in float64). Over an fp8 cache the kernels
+    rotate the cache's values before k_scale applies (it joins the softmax scale): the same
+    rounding as the reference's of k_scale * value when k_scale is a power of two.
     """
 
     theta: float = 1e4

@@ -396,10 +396,16 @@ def main(argv=None) -> int:
                                    "--start", str(args.start), "--seconds", str(args.seconds),
                                    "--workers", "1", "--worker", f"{i}/{args.workers}"])
                  for i in range(args.workers)]
-        return max(proc.wait() for proc in procs)
+        codes = [proc.wait() for proc in procs]  # (a worker a signal killed: below 0)
+        for i, rc in enumerate(codes):
+            if rc not in (0, 1):
+                print(f"worker {i}/{args.workers} exited with status {rc}: its last 'seed' "
+                      f"line names the seed it ran", flush=True)
+        return 1 if any(codes) else 0
     worker, workers = (int(x) for x in args.worker.split("/"))
     t0, seed, ran, failed = time.perf_counter(), args.start + worker, 0, []
     while time.perf_counter() - t0 < args.seconds:
+        print(f"seed {seed}", flush=True)  # (before it runs: a crash's seed is the last one)
         try:
             case(seed, args.device)
         except Exception:

@@ -14,9 +14,9 @@ from jitattn import reference
 # reference after rounding to the kernel's dtype, so the budget is a few output ulps plus
 # float32 accumulation.
 TOL = {torch.float16: dict(atol=3e-3, rtol=3e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-# lse is float32, but the scores behind it come from 16-bit inputs; with fused RoPE the rotated
-# keys are rounded back to the input dtype in shared memory (as HF rotates in the model dtype),
-# so bf16 gets a bf16-sized budget.
+# lse is float32, but the scores behind it come from 16-bit inputs (P is rounded to q's dtype
+# before P V, and the reference rounds RoPE's rotated q and k as the kernels do, but not in
+# the same float32 order), so bf16 gets a bf16-sized budget.
 LSE_ATOL = {torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
 
@@ -353,3 +353,40 @@ def check_rope_before_the_first_key(device):
         q, k, v, qo, kv = make_batch([300, 5, 1], [20, 0, 130], 8, 2, head_dim, dtype, device,
                                      seed=head_dim)
         check(variant, {}, q, k, v, qo, kv)
+        # at most 16 packed rows a request: the decode kernel's tiles
+        q, k, v, qo, kv = make_batch([3, 2], [1, 2], 8, 2, head_dim, dtype, device, seed=1)
+        w = ja.BatchPrefill(variant, kv_layout="ragged", device=device, query_tile="short")
+        w.plan(qo, kv, None, None, 8, 2, head_dim, q_dtype=dtype)
+        out, lse = w.run(q, (k, v), return_lse=True)
+        compare(variant, out, lse, *reference.attention(q, k, v, variant, qo_indptr=qo,
+                                                        kv_indptr=kv, return_lse=True))
+
+
+def check_fp8_rope_near_the_format_max(device):
+    """fp16 q over an e5m2 cache with RoPE: keys whose pairs hold e5m2's largest values rotate
+    past fp16's range unscaled (57344 * sqrt 2 > 65504; k_scale joins the softmax scale, so the
+    kernels rotate the unscaled values). The kernels rotate such keys at half their value;
+    before, the scores were NaN (a review found it)."""
+    gen = torch.Generator().manual_seed(5)
+    variant = ja.Variant("rope_e5m2", mask="causal", pos_encoding=ja.RoPE(theta=1e4))
+    page_size, hkv, hq, d, scale = 16, 2, 4, 64, 1.0 / 8192
+    kv_lens = [40, 7]
+    (k16, v16), kv_indptr, kv_indices, last = make_paged(kv_lens, hkv, d, page_size, "NHD",
+                                                         torch.float16, "cpu", seed=5)
+    k8 = (k16.float() * 4096).to(torch.float8_e5m2)
+    k8[..., 0], k8[..., d // 2] = 57344.0, -49152.0  # (neox pairs: columns i and i + d / 2)
+    v8 = (v16.float() * 4096).to(torch.float8_e5m2)
+    cache = (k8.to(device), v8.to(device))
+    ref_cache = tuple((c.float() * scale).half().to(device) for c in (k8, v8))
+    for kind in ("prefill", "decode"):
+        qo_lens = [5, 3] if kind == "prefill" else [1, 1]
+        q = torch.randn(sum(qo_lens), hq, d, generator=gen).half().to(device)
+        qo_indptr = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()],
+                                 dtype=torch.int32)
+        w = ja.BatchPrefill(variant, page_size=page_size, device=device) if kind == "prefill" \
+            else ja.BatchDecode(variant, page_size=page_size, device=device)
+        args = (kv_indptr, kv_indices, last, hq, hkv, d)
+        w.plan(*((qo_indptr,) if kind == "prefill" else ()), *args, q_dtype=torch.float16,
+               kv_dtype=torch.float8_e5m2)
+        check_batch(w, variant, {}, q, cache, qo_indptr, kv_indptr, kv_indices, last, "NHD",
+                    ref_kv_cache=ref_cache, scales=dict(k_scale=scale, v_scale=scale))

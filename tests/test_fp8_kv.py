@@ -3,8 +3,8 @@ against the reference over the dequantized cache, on the CPU backend."""
 
 import pytest
 import torch
-from helpers import (check_batch, check_fp8_across_range, check_fp8_every_byte, make_batch,
-                     make_paged, quantize_fp8)
+from helpers import (check_batch, check_fp8_across_range, check_fp8_every_byte,
+                     check_fp8_rope_near_the_format_max, make_batch, make_paged, quantize_fp8)
 
 import jitattn as ja
 
@@ -131,3 +131,7 @@ def test_scales_belong_to_the_batch_wrappers_and_compile_checks_parameters():
                              backend="aot_eager")
     with pytest.raises(Exception, match=r"missing parameter\(s\) \['cap'\]"):
         compiled(q)
+
+
+def test_fp8_rope_near_the_format_max():
+    check_fp8_rope_near_the_format_max("cpu")

@@ -9,8 +9,9 @@ import jitattn as ja
 from jitattn import catalog, launch, reference
 
 from helpers import (TOL, check, check_batch, check_fp8_across_range, check_fp8_every_byte,
-                     check_linear_partition, check_out_is_q, check_shared_prefix_batch, compare,
-                     every_feature_variant, make_batch, make_paged, quantize_fp8)
+                     check_fp8_rope_near_the_format_max, check_linear_partition, check_out_is_q,
+                     check_shared_prefix_batch, compare, every_feature_variant, make_batch,
+                     make_paged, quantize_fp8)
 
 pytestmark = pytest.mark.gpu
 BUILTIN = catalog.builtin()
@@ -462,3 +463,7 @@ def test_cuda_graph_keeps_the_shared_prefix_build():
 
 def test_out_may_be_q_itself_gpu():
     check_out_is_q("cuda")
+
+
+def test_fp8_rope_near_the_format_max_gpu():
+    check_fp8_rope_near_the_format_max("cuda")

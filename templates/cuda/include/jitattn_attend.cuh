@@ -22,21 +22,26 @@ namespace ja {
 
 template <bool B> struct Flag { static constexpr bool value = B; };  // a compile-time bool
 template <int N> struct Keys { static constexpr int value = N; };    // a tile's computed keys
+template <typename A, typename B> struct SameType { static constexpr bool value = false; };
+template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
 
 // Rotate rows [0, rows) of a 16-bit tile in shared memory (RoFormer eq. 34); pos(r) is the
 // position of row r, or kNoPosition to leave it (a position may be negative: the queries of a
 // request with more queries than keys under mask "none"). Threads tid of nthreads share the
 // work.
 constexpr int kNoPosition = -2147483647 - 1;  // (INT_MIN)
+// prescale: a power of two the values are multiplied by first (exact).
 template <typename DType, int HEAD_DIM, int ROW, typename Pos>
-__device__ __forceinline__ void rope_tile(DType* s, int rows, Pos pos, int tid, int nthreads) {
+__device__ __forceinline__ void rope_tile(DType* s, int rows, Pos pos, int tid, int nthreads,
+                                          float prescale = 1.f) {
   if constexpr (Variant::ROPE != 0) {
     for (int i = tid; i < rows * HEAD_DIM / 2; i += nthreads) {
       const int r = i / (HEAD_DIM / 2), pair = i % (HEAD_DIM / 2);
       const int position = pos(r);
       if (position == kNoPosition) continue;
       const int2 e = rope_pair_index<HEAD_DIM>(pair);
-      float x = ja_to_float(s[r * ROW + e.x]), y = ja_to_float(s[r * ROW + e.y]);
+      float x = ja_to_float(s[r * ROW + e.x]) * prescale,
+            y = ja_to_float(s[r * ROW + e.y]) * prescale;
       rope_pair(x, y, position, kRopeInvFreq[pair]);
       s[r * ROW + e.x] = (DType)x;
       s[r * ROW + e.y] = (DType)y;
@@ -73,9 +78,16 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
   // maximum then comes with the first tile and no later tile raises it (no rescaling of O)
   constexpr bool LAST_FIRST = WGMMA && Variant::KV_LINEAR;
   static_assert(!LAST_FIRST || BLOCK_N <= 192, "LAST_FIRST narrows to 64 / 128 of 128 / 192 keys");
-  const float score_scale = FOLD_SCALE ? 1.f : SCALED ? a.sm_scale * Variant::INNER_SCALE
-                                                      : a.sm_scale;
-  const float exp_scale = FOLD_SCALE ? a.sm_scale * LOG2E
+  // fp16 q over an e5m2 cache with RoPE: K's rotation, rounded to fp16, would overflow for
+  // e5m2 values near its largest (57344 * sqrt 2 > 65504; k_scale is folded into sm_scale, so
+  // the tile holds the unscaled values). K is rotated at half its value (exact) and the scores
+  // take twice sm_scale.
+  constexpr bool K_HALVED = Variant::ROPE != 0 && SameType<DType, half>::value &&
+                            SameType<KVType, ja_e5m2>::value;
+  const float sm_scale = K_HALVED ? 2.f * a.sm_scale : a.sm_scale;
+  const float score_scale = FOLD_SCALE ? 1.f : SCALED ? sm_scale * Variant::INNER_SCALE
+                                                      : sm_scale;
+  const float exp_scale = FOLD_SCALE ? sm_scale * LOG2E
                                      : SCALED ? Variant::OUTER_SCALE * LOG2E : LOG2E;
   // the exponent's factor of what s holds (LIN_Y: raw products, exp_scale's units times sm_scale)
   const float y_scale = LIN_Y ? score_scale * exp_scale : exp_scale;
@@ -552,7 +564,7 @@ __device__ __forceinline__ void attend(const Args<DType, KVType>& a, const Varia
       if constexpr (Variant::ROPE != 0) {  // the copied rows
         rope_tile<DType, HEAD_DIM, ROW>(k_s + key_w * ROW, COPY_ROWS,
                                         [&](int j) { return t0 + key_w + j; }, copy_tid,
-                                        COPY_THREADS);
+                                        COPY_THREADS, K_HALVED ? 0.5f : 1.f);
         tile_barrier();
       }
 
