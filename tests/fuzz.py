@@ -151,11 +151,19 @@ def case(seed: int, device: str) -> str:
     split_kv = rng.random() < 0.8
     desc = (f"seed {seed}: {kind} {vname} {dtype} d{head_dim} heads {hq}/{hkv} "
             f"qo {qo_lens} kv {kv_lens} sm_scale {sm_scale} split_kv {split_kv}")
-    q = rand(sum(qo_lens), hq, head_dim)
+    # q's rows may be a view into wider rows (a fused QKV projection's output), and 4x larger
+    # (sharper softmax: the online softmax's rescaling)
+    views, amp = rng.random() < 0.3, rng.choice([1.0, 1.0, 1.0, 4.0])
+    desc += f"{' strided views' if views else ''}{' q x4' if amp != 1 else ''}"
+    q = (rand(sum(qo_lens), hq + (2 * hkv if views else 0), head_dim) * amp)[:, :hq]
     qo_indptr = _cumsum(qo_lens)
     out, lse = _nan_outputs(q)
     if kind == "ragged_prefill":
-        k, v = rand(sum(kv_lens), hkv, head_dim), rand(sum(kv_lens), hkv, head_dim)
+        if views:  # k and v: one [tokens, 2, heads, head_dim] tensor
+            kv = rand(sum(kv_lens), 2, hkv, head_dim)
+            k, v = kv[:, 0], kv[:, 1]
+        else:
+            k, v = rand(sum(kv_lens), hkv, head_dim), rand(sum(kv_lens), hkv, head_dim)
         kv_indptr = ref_kv_indptr = _cumsum(kv_lens)
         if variant.mask != "custom" and rng.random() < 0.3:  # ja.attention, unplanned
             indptrs = {} if batch == 1 and rng.random() < 0.5 else \
