@@ -42,9 +42,10 @@ def check(variant, params, q, k, v, qo_indptr=None, kv_indptr=None):
     return compare(variant, out, lse, ref_out, ref_lse)
 
 
-def compare(variant, out, lse, ref_out, ref_lse, slack=None):
+def compare(variant, out, lse, ref_out, ref_lse, slack=None, lse_scale=1.0):
     """Outputs written everywhere, close to the reference; rows with no visible key exact.
-    slack: an extra absolute allowance per output element (float64, ref_out's shape)."""
+    slack: an extra absolute allowance per output element (float64, ref_out's shape);
+    lse_scale: a factor on lse's budget (scores that many times larger)."""
     assert not out.isnan().any(), "unwritten or NaN output"
     assert not lse.isnan().any(), "unwritten or NaN lse"
     if slack is not None:  # (the reference moved towards out by at most slack)
@@ -53,7 +54,8 @@ def compare(variant, out, lse, ref_out, ref_lse, slack=None):
     lse = lse.double()
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows with no visible key differ"
     finite = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=LSE_ATOL[out.dtype], rtol=1e-4)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=LSE_ATOL[out.dtype] * lse_scale,
+                               rtol=1e-4)
     if variant.reduction == "softmax":  # rows that see no key: output exactly 0
         assert (out[torch.isinf(ref_lse)] == 0).all()
     return out, lse
