@@ -38,7 +38,8 @@ class RoPE:
     The rotated q and k are rounded to q's dtype (as HF rotates in the model's dtype) on both
     backends and in jitattn.reference (which rotates in float64). Over an fp8 cache the kernels
     rotate the cache's values before k_scale applies (it joins the softmax scale): the same
-    rounding as the reference's of k_scale * value when k_scale is a power of two.
+    rounding as the reference's of k_scale * value when k_scale is a power of two (outside
+    fp16's subnormal and overflow ranges).
     """
 
     theta: float = 1e4
