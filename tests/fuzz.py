@@ -1,7 +1,9 @@
-"""Random differential testing: a seed draws one attention problem (wrapper, variant, dtype,
-head_dim, GQA ratio, page size, layout, request lengths biased to tile edges, 0 and 1) and
-checks jitattn's out and lse against jitattn.reference (tests/helpers.compare: the tolerances,
-exact zeros and lse -inf for rows that see no key, never NaN).
+"""Random differential testing: a seed draws one attention problem and checks jitattn's out
+and lse against jitattn.reference (tests/helpers.compare: the tolerances, exact zeros and lse
+-inf for rows that see no key, never NaN). Drawn: the entry point (BatchPrefill over pages or
+ragged K/V, BatchDecode, ja.attention, SharedPrefixPrefill's strategies, CascadeDecode,
+MultiLevelCascade), a built-in or composed variant, dtype, head_dim, GQA ratio, page size and
+layout, an fp8 cache, strided q / k / v views, request lengths biased to tile edges, 0 and 1.
 
     python tests/fuzz.py --device cuda --seconds 300 --workers 8   # seeds 0, 1, 2, ...
     python tests/fuzz.py --device cpu --seed 1234                 # one seed again, verbose
