@@ -218,13 +218,21 @@ def case(seed: int, device: str) -> str:
                                    return_lse=True, mask_data=mask_data, **params)
     ref_out, ref_lse = ref(v)
     _compare(desc, variant, out, lse, ref_out, ref_lse,
-             ref(v.abs())[0] if variant.reduction == "sigmoid" else None, lse_scale=amp)
+             ref(v.abs())[0] if variant.reduction == "sigmoid" else None,
+             _sharpness(sm_scale, head_dim, amp))
     return desc
+
+
+def _sharpness(sm_scale, head_dim: int, amp: float = 1.0) -> float:
+    """How many times larger the scores of random unit-normal q and k are than at the default
+    scale (at least 1): sm_scale * sqrt(head_dim) times q's factor."""
+    return max(1.0, amp * (head_dim ** -0.5 if sm_scale is None else sm_scale) * head_dim ** 0.5)
 
 
 def _compare(desc, variant, out, lse, ref_out, ref_lse, magnitude=None, lse_scale=1.0):
     """helpers.compare; for sigmoid, magnitude (the reference over |v|) widens the budget;
-    lse_scale: q's factor (the scores' rounding errors grow with them: lse's budget too)."""
+    lse_scale: the scores' sharpness (_sharpness; their rounding errors, a flipped rounding of
+    a rotated bf16 element among them, grow with them: lse's budget too)."""
     slack = None
     if variant.reduction == "sigmoid":
         # P is rounded to q's dtype before P V, an error of up to u p_j |v_j| a term (u the
@@ -276,7 +284,8 @@ def _shared_prefix_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_sc
             **params)
     ref_out, ref_lse = ref(v)
     _compare(desc, variant, out, lse, ref_out, ref_lse,
-             ref(v.abs())[0] if variant.reduction == "sigmoid" else None)
+             ref(v.abs())[0] if variant.reduction == "sigmoid" else None,
+             _sharpness(sm_scale, head_dim))
     return desc
 
 
@@ -305,7 +314,8 @@ def _check_levels(desc, variant, params, q, cache, layout, segments, qo_lens, sm
                                    sm_scale=sm_scale, return_lse=True, **params)
     ref_out, ref_lse = ref(v)
     _compare(desc, variant, out, lse, ref_out, ref_lse,
-             ref(v.abs())[0] if variant.reduction == "sigmoid" else None)
+             ref(v.abs())[0] if variant.reduction == "sigmoid" else None,
+             _sharpness(sm_scale, q.shape[-1]))
 
 
 def _multi_level_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_scale):
