@@ -212,14 +212,8 @@ def case(seed: int, device: str) -> str:
         w.run(q, cache, out=out, lse=lse, **scales, **params)
         k, v, ref_kv_indptr = reference.paged_to_ragged(ref_cache, kv_indptr, kv_indices, last,
                                                         layout)
-    def ref(v):
-        return reference.attention(q, k, v, variant, qo_indptr=qo_indptr,
-                                   kv_indptr=ref_kv_indptr, sm_scale=sm_scale,
-                                   return_lse=True, mask_data=mask_data, **params)
-    ref_out, ref_lse = ref(v)
-    _compare(desc, variant, out, lse, ref_out, ref_lse,
-             ref(v.abs())[0] if variant.reduction == "sigmoid" else None,
-             _sharpness(sm_scale, head_dim, amp))
+    _check(desc, variant, params, out, lse, q, k, v, qo_indptr, ref_kv_indptr, sm_scale, amp,
+           mask_data)
     return desc
 
 
@@ -229,19 +223,27 @@ def _sharpness(sm_scale, head_dim: int, amp: float = 1.0) -> float:
     return max(1.0, amp * (head_dim ** -0.5 if sm_scale is None else sm_scale) * head_dim ** 0.5)
 
 
-def _compare(desc, variant, out, lse, ref_out, ref_lse, magnitude=None, lse_scale=1.0):
-    """helpers.compare; for sigmoid, magnitude (the reference over |v|) widens the budget;
-    lse_scale: the scores' sharpness (_sharpness; their rounding errors, a flipped rounding of
-    a rotated bf16 element among them, grow with them: lse's budget too)."""
+def _check(desc, variant, params, out, lse, q, k, v, qo_indptr, kv_indptr, sm_scale, amp=1.0,
+           mask_data=None):
+    """helpers.compare of out and lse with the reference over q, k, v (a ragged batch), the
+    description prefixed to a mismatch. Budgets: sigmoid's grows with the reference over |v|;
+    lse's with the scores' sharpness (_sharpness: their rounding errors, a flipped rounding
+    of a rotated bf16 element among them, grow with them)."""
+    def ref(v):
+        return reference.attention(q, k, v, variant, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                                   sm_scale=sm_scale, return_lse=True, mask_data=mask_data,
+                                   **params)
+    ref_out, ref_lse = ref(v)
     slack = None
     if variant.reduction == "sigmoid":
         # P is rounded to q's dtype before P V, an error of up to u p_j |v_j| a term (u the
         # dtype's unit roundoff, eps / 2); sigmoid's sums are not normalised and may cancel,
         # so the budget follows eps sum_j p_j |v_j|, not |out| (a cascade's levels, rounded to
         # q's dtype before their merge, stay inside it too)
-        slack = magnitude * torch.finfo(out.dtype).eps
+        slack = ref(v.abs())[0] * torch.finfo(out.dtype).eps
     try:
-        compare(variant, out, lse, ref_out, ref_lse, slack=slack, lse_scale=lse_scale)
+        compare(variant, out, lse, ref_out, ref_lse, slack=slack,
+                lse_scale=_sharpness(sm_scale, q.shape[-1], amp))
     except AssertionError as e:
         raise AssertionError(f"{desc}\n{e}") from None
 
@@ -276,16 +278,8 @@ def _shared_prefix_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_sc
         rows_kv.append(torch.cat([torch.arange(prefix), torch.arange(start, start + s)]))
         start += s
     gq, gkv = torch.cat(rows_q).to(device), torch.cat(rows_kv).to(device)
-
-    def ref(v):
-        return reference.attention(
-            q[gq], k[gkv], v[gkv], variant, qo_indptr=_cumsum([len(r) for r in rows_q]),
-            kv_indptr=_cumsum([len(r) for r in rows_kv]), sm_scale=sm_scale, return_lse=True,
-            **params)
-    ref_out, ref_lse = ref(v)
-    _compare(desc, variant, out, lse, ref_out, ref_lse,
-             ref(v.abs())[0] if variant.reduction == "sigmoid" else None,
-             _sharpness(sm_scale, head_dim))
+    _check(desc, variant, params, out[gq], lse[gq], q[gq], k[gkv], v[gkv],
+           _cumsum([len(r) for r in rows_q]), _cumsum([len(r) for r in rows_kv]), sm_scale)
     return desc
 
 
@@ -307,15 +301,8 @@ def _check_levels(desc, variant, params, q, cache, layout, segments, qo_lens, sm
     rows = [torch.cat([torch.arange(int(tok[s]), int(tok[s + 1])) for s in segs] +
                       [torch.zeros(0, dtype=torch.long)]) for segs in segments]
     g = torch.cat(rows).to(q.device)
-
-    def ref(v):
-        return reference.attention(q, k[g], v[g], variant, qo_indptr=_cumsum(qo_lens),
-                                   kv_indptr=_cumsum([len(r) for r in rows]),
-                                   sm_scale=sm_scale, return_lse=True, **params)
-    ref_out, ref_lse = ref(v)
-    _compare(desc, variant, out, lse, ref_out, ref_lse,
-             ref(v.abs())[0] if variant.reduction == "sigmoid" else None,
-             _sharpness(sm_scale, q.shape[-1]))
+    _check(desc, variant, params, out, lse, q, k[g], v[g], _cumsum(qo_lens),
+           _cumsum([len(r) for r in rows]), sm_scale)
 
 
 def _multi_level_case(rng, seed, device, dtype, head_dim, hq, hkv, rand, sm_scale):
